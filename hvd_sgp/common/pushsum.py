@@ -1,0 +1,179 @@
+"""PushSum mixing on one fused flat buffer.
+
+Layout: ``buffer[:n]`` holds the de-biased parameters z = x / w (what the model reads and the
+optimizer updates) and ``buffer[n]`` the PushSum weight w. One iteration re-biases (x = w z),
+keeps its own share, pushes the rest to its out-peers in one message each (parameters and weight
+together), adds what arrives and de-biases again. Where every mixing matrix is doubly
+stochastic and delivery is synchronous, w stays 1: the weight is neither sent nor divided by.
+
+Within a node of L ranks, local rank l carries only shard l of the buffer to local rank l of
+the peer nodes (every NIC works), then the node gathers the shards back.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+from mpi4py import MPI
+
+from hvd_sgp.common.errors import SgpError, SgpValueError
+from hvd_sgp.common.topology import Topology, make_topology
+from hvd_sgp.common.transport import Pending, PeerTransport
+
+
+def allocate(n: int, dtype=np.float32) -> np.ndarray:
+    """A zeroed buffer for n parameters plus the weight slot, which starts at 1."""
+    buf = np.zeros(n + 1, dtype=dtype)
+    buf[n] = 1
+    return buf
+
+
+def shard_bounds(n: int, parts: int, index: int) -> tuple[int, int]:
+    """Start and end of shard ``index`` when n elements are cut into ``parts`` near-equal runs."""
+    base, extra = divmod(n, parts)
+    start = index * base + min(index, extra)
+    return start, start + base + (1 if index < extra else 0)
+
+
+def average_in_node(array: np.ndarray, local: MPI.Comm) -> None:
+    """Exact in-place average over the ranks of one node (gradients before the local step)."""
+    if local.Get_size() > 1:
+        local.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
+        array /= local.Get_size()
+
+
+class PushSumMixer:
+    """The mixing state of one node; ``transport`` reaches the other nodes (over MPI: the cross
+    communicator, one rank per node; in the simulator: in-process mailboxes)."""
+
+    def __init__(self, buffer: np.ndarray, topology: Topology, transport: PeerTransport,
+                 local: Optional[MPI.Comm] = None, push_sum: bool = True):
+        if buffer.ndim != 1 or buffer.size < 1 or not buffer.flags.c_contiguous:
+            raise SgpValueError("the PushSum buffer must be one contiguous 1-D array of "
+                                "parameters followed by the weight slot (see allocate())")
+        if topology.n != transport.size:
+            raise SgpValueError(f"topology {topology!r} is for {topology.n} nodes, but the "
+                                f"transport connects {transport.size}")
+        self.buffer = buffer
+        self.n = buffer.size - 1
+        self.topology = topology
+        self.node = transport.rank
+        self.push_sum = push_sum
+        self.track_weight = push_sum and not topology.doubly_stochastic
+        self.iteration = 0
+        self.transport = transport
+        self.local = local if local is not None and local.Get_size() > 1 else None
+        parts, index = (self.local.Get_size(), self.local.Get_rank()) if self.local else (1, 0)
+        self.start, self.stop = shard_bounds(self.n, parts, index)
+        self._mpi_type = MPI._typedict[buffer.dtype.char]
+        self._message = self._message_spec()
+        self._gather = None
+        if self.local is not None:
+            bounds = [shard_bounds(self.n, parts, r) for r in range(parts)]
+            self._gather = [buffer, [b - a for a, b in bounds], [a for a, _ in bounds],
+                            self._mpi_type]
+        self._receive: dict[int, np.ndarray] = {}
+
+    @property
+    def weight(self) -> float:
+        """The PushSum weight (1 where it is not tracked)."""
+        return float(self.buffer[self.n]) if self.track_weight else 1.0
+
+    @property
+    def message_length(self) -> int:
+        return self.stop - self.start + (1 if self.track_weight else 0)
+
+    def _message_spec(self):
+        """What one push sends: the shard, plus the weight slot when it is tracked."""
+        shard = self.buffer[self.start:self.stop]
+        if not self.track_weight:
+            return shard
+        if self.start == 0 and self.stop == self.n:
+            return self.buffer
+        dtype = self._mpi_type.Create_indexed([self.stop - self.start, 1], [self.start, self.n])
+        dtype.Commit()
+        return [self.buffer, 1, dtype]
+
+    def _receive_buffer(self, count: int) -> np.ndarray:
+        if count not in self._receive:
+            self._receive[count] = np.empty((count, self.message_length), dtype=self.buffer.dtype)
+        return self._receive[count]
+
+    def mix(self) -> None:
+        """One synchronous PushSum iteration over this iteration's graph."""
+        self.finish(self.begin())
+
+    def begin(self) -> Pending:
+        """Keep this node's share and post the pushes and receives of the current iteration."""
+        phase = self.topology.phase(self.iteration)
+        out_peers, in_peers = phase.out_peers[self.node], phase.in_peers(self.node)
+        shard = self.buffer[self.start:self.stop]
+        slot = self.buffer[self.n:] if self.track_weight else None
+        weight = float(slot[0]) if slot is not None else 1.0
+        keep = phase.self_weights[self.node]
+        if phase.uniform_out(self.node):
+            shard *= weight * keep
+            if slot is not None:
+                slot *= keep
+            sends = [(peer, self._message) for peer in out_peers]
+        else:
+            shard *= weight
+            message = np.concatenate([shard, slot]) if slot is not None else shard.copy()
+            sends = [(peer, message * share)
+                     for peer, share in zip(out_peers, phase.out_weights[self.node])]
+            shard *= keep
+            if slot is not None:
+                slot *= keep
+        received = self._receive_buffer(len(in_peers))
+        pending = self.transport.start(self.iteration, sends,
+                                       [(peer, received[t]) for t, peer in enumerate(in_peers)])
+        pending.received = received
+        return pending
+
+    def finish(self, pending: Pending) -> None:
+        """Wait for this iteration's messages, sum them in and de-bias."""
+        self.transport.wait(pending)
+        in_peers = pending.sources()
+        received = pending.received
+        shard = self.buffer[self.start:self.stop]
+        slot = self.buffer[self.n:] if self.track_weight else None
+        width = self.stop - self.start
+        for row in received:
+            shard += row[:width]
+        if slot is not None:
+            self._check_weights(received[:, width], in_peers)
+            slot += received[:, width].sum()
+            shard /= slot[0]
+        self.iteration += 1
+        if self.local is not None:
+            self.local.Allgatherv(MPI.IN_PLACE, self._gather)
+
+    def _check_weights(self, weights: np.ndarray, in_peers) -> None:
+        for w, peer in zip(weights, in_peers):
+            if not math.isfinite(float(w)) or w <= 0:
+                raise SgpError(f"received PushSum weight {float(w)!r} from rank {peer} at "
+                               f"iteration {self.iteration}: the sender diverged (NaN/inf)")
+
+
+def gossip_average(values: np.ndarray, steps: int, topology="exponential", peers: int = 1,
+                   comm: Optional[MPI.Comm] = None, push_sum: bool = True) -> np.ndarray:
+    """Gossip-average a numpy array across the ranks of ``comm`` for ``steps`` iterations.
+
+    Every rank passes its own array (same shape and dtype); each gets back its de-biased
+    estimate of the average, which is exact after log2(n) steps of the one-peer exponential
+    graph when n is a power of two.
+    """
+    from hvd_sgp.common import runtime
+
+    comm = comm if comm is not None else runtime.world_comm()
+    flat = np.asarray(values)
+    buffer = allocate(flat.size, flat.dtype if flat.dtype.kind == "f" else np.float64)
+    buffer[:-1] = flat.ravel()
+    transport = PeerTransport(comm)
+    mixer = PushSumMixer(buffer, make_topology(topology, comm.Get_size(), peers), transport,
+                         push_sum=push_sum)
+    for _ in range(steps):
+        mixer.mix()
+    transport.free()
+    return buffer[:-1].reshape(flat.shape).copy()

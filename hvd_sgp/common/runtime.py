@@ -1,0 +1,213 @@
+"""MPI start-up and the rank layout: world, node-local and cross-node communicators.
+
+A node is the set of ranks that share memory (an MPI shared-memory split); SGP gossips between
+nodes and averages exactly inside one. ``HVD_SGP_LOCAL_SIZE=L`` groups consecutive ranks into
+nodes of L ranks instead, so one machine can emulate several nodes.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+import mpi4py
+
+mpi4py.rc.thread_level = "multiple"
+mpi4py.rc.finalize = True
+from mpi4py import MPI  # noqa: E402  (rc must be set before this import)
+
+from hvd_sgp.common.errors import NotInitializedError, SgpValueError  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """Who started this process, as far as the environment tells."""
+
+    name: str  # "openmpi", "mpich", "slurm", "horovodrun" or "none"
+    rank: Optional[int]
+    size: Optional[int]
+    local_rank: Optional[int]
+
+
+_LAUNCHER_VARS = (
+    # (name, rank, size, local rank); first match wins, horovodrun sets its own on top of mpirun's.
+    ("horovodrun", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK"),
+    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+    ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+)
+
+
+def detect_launcher(environ: Optional[dict] = None) -> Launcher:
+    """Name the launcher from its environment variables (diagnostics and sgprun)."""
+    env = os.environ if environ is None else environ
+
+    def read(key: str) -> Optional[int]:
+        value = env.get(key)
+        return int(value) if value is not None and value.strip().isdigit() else None
+
+    for name, rank_key, size_key, local_key in _LAUNCHER_VARS:
+        if rank_key in env:
+            return Launcher(name, read(rank_key), read(size_key), read(local_key))
+    return Launcher("none", None, None, None)
+
+
+class _State:
+    def __init__(self, world: MPI.Comm, local: MPI.Comm, cross: MPI.Comm, thread_level: int):
+        self.world = world
+        self.local = local
+        self.cross = cross
+        self.thread_level = thread_level
+
+
+_state: Optional[_State] = None
+
+
+def _local_split(world: MPI.Comm) -> MPI.Comm:
+    forced = os.environ.get("HVD_SGP_LOCAL_SIZE")
+    if not forced:
+        return world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+    try:
+        local_size = int(forced)
+    except ValueError:
+        local_size = 0
+    if local_size < 1 or world.Get_size() % local_size:
+        raise SgpValueError(
+            f"HVD_SGP_LOCAL_SIZE={forced!r} must be a positive integer dividing the number "
+            f"of ranks ({world.Get_size()})"
+        )
+    return world.Split(world.Get_rank() // local_size, key=world.Get_rank())
+
+
+def init(comm: Optional[MPI.Comm] = None) -> None:
+    """Start MPI (thread level MULTIPLE requested) and build the communicators; idempotent.
+
+    ``comm`` restricts hvd_sgp to a sub-communicator, as Horovod's ``init(comm=...)`` does.
+    """
+    global _state
+    if _state is not None:
+        return
+    base = MPI.COMM_WORLD if comm is None else comm
+    world = base.Dup()
+    local = _local_split(world)
+    cross = world.Split(local.Get_rank(), key=world.Get_rank())
+    _state = _State(world, local, cross, MPI.Query_thread())
+    _check_uniform_nodes()
+
+
+def _check_uniform_nodes() -> None:
+    sizes = _state.world.allgather(_state.local.Get_size())
+    if len(set(sizes)) != 1:
+        raise SgpValueError(
+            f"nodes have different numbers of ranks {sorted(set(sizes))}; hvd_sgp needs the same "
+            "number of ranks on every node (or set HVD_SGP_LOCAL_SIZE)"
+        )
+
+
+def shutdown() -> None:
+    """Release the communicators; a later init() starts afresh. MPI itself ends at exit."""
+    global _state
+    if _state is None:
+        return
+    for comm in (_state.cross, _state.local, _state.world):
+        if not MPI.Is_finalized():
+            comm.Free()
+    _state = None
+
+
+atexit.register(shutdown)
+
+
+def is_initialized() -> bool:
+    return _state is not None
+
+
+def _require() -> _State:
+    if _state is None:
+        raise NotInitializedError()
+    return _state
+
+
+def world_comm() -> MPI.Comm:
+    return _require().world
+
+
+def local_comm() -> MPI.Comm:
+    return _require().local
+
+
+def cross_comm() -> MPI.Comm:
+    return _require().cross
+
+
+def rank() -> int:
+    return _require().world.Get_rank()
+
+
+def size() -> int:
+    return _require().world.Get_size()
+
+
+def local_rank() -> int:
+    return _require().local.Get_rank()
+
+
+def local_size() -> int:
+    return _require().local.Get_size()
+
+
+def cross_rank() -> int:
+    return _require().cross.Get_rank()
+
+
+def cross_size() -> int:
+    return _require().cross.Get_size()
+
+
+def mpi_threads_supported() -> bool:
+    """True when MPI granted THREAD_MULTIPLE (needed for overlapped gossip)."""
+    return _require().thread_level >= MPI.THREAD_MULTIPLE
+
+
+def mpi_library() -> str:
+    """The MPI implementation's own version line."""
+    return MPI.Get_library_version().strip().splitlines()[0]
+
+
+def cuda_aware_mpi() -> bool:
+    """Whether MPI can take CUDA buffers directly.
+
+    ``HVD_SGP_CUDA_AWARE=0/1`` decides when set; otherwise Open MPI's ``ompi_info`` is asked
+    (``mpi_built_with_cuda_support``). Unknown means False: CUDA tensors are staged through host.
+    """
+    forced = os.environ.get("HVD_SGP_CUDA_AWARE")
+    if forced is not None:
+        return forced.strip().lower() in ("1", "true", "yes", "on")
+    import shutil
+    import subprocess
+
+    tool = shutil.which("ompi_info")
+    if tool is None or "Open MPI" not in mpi_library():
+        return False
+    try:
+        out = subprocess.run(
+            [tool, "--parsable", "--all"], capture_output=True, text=True, timeout=30
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "mpi_built_with_cuda_support:value:true" in out
+
+
+def abort_on_uncaught_errors() -> None:
+    """Make an exception escaping one rank end the whole job instead of hanging its peers."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        previous(kind, value, tb)
+        sys.stderr.flush()
+        if _state is not None and _state.world.Get_size() > 1:
+            MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = hook
