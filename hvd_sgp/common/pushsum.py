@@ -17,6 +17,7 @@ from typing import Optional
 import numpy as np
 from mpi4py import MPI
 
+from hvd_sgp.common.compression import WEIGHT_WORDS, Codec, pack, unpack
 from hvd_sgp.common.errors import SgpError, SgpValueError
 from hvd_sgp.common.topology import Topology, make_topology
 from hvd_sgp.common.transport import Pending, PeerTransport
@@ -45,10 +46,15 @@ def average_in_node(array: np.ndarray, local: MPI.Comm) -> None:
 
 class PushSumMixer:
     """The mixing state of one node; ``transport`` reaches the other nodes (over MPI: the cross
-    communicator, one rank per node; in the simulator: in-process mailboxes)."""
+    communicator, one rank per node; in the simulator: in-process mailboxes).
+
+    ``codec`` (see compression.py) sends parameters as fp16/bf16; the weight then travels exact
+    beside them, and receivers accumulate in the buffer's precision.
+    """
 
     def __init__(self, buffer: np.ndarray, topology: Topology, transport: PeerTransport,
-                 local: Optional[MPI.Comm] = None, push_sum: bool = True):
+                 local: Optional[MPI.Comm] = None, push_sum: bool = True,
+                 codec: Optional[Codec] = None):
         if buffer.ndim != 1 or buffer.size < 1 or not buffer.flags.c_contiguous:
             raise SgpValueError("the PushSum buffer must be one contiguous 1-D array of "
                                 "parameters followed by the weight slot (see allocate())")
@@ -61,6 +67,7 @@ class PushSumMixer:
         self.node = transport.rank
         self.push_sum = push_sum
         self.track_weight = push_sum and not topology.doubly_stochastic
+        self.codec = codec
         self.iteration = 0
         self.transport = transport
         self.local = local if local is not None and local.Get_size() > 1 else None
@@ -73,32 +80,35 @@ class PushSumMixer:
             bounds = [shard_bounds(self.n, parts, r) for r in range(parts)]
             self._gather = [buffer, [b - a for a, b in bounds], [a for a, _ in bounds],
                             self._mpi_type]
-        self._receive: dict[int, np.ndarray] = {}
 
     @property
     def weight(self) -> float:
         """The PushSum weight (1 where it is not tracked)."""
         return float(self.buffer[self.n]) if self.track_weight else 1.0
 
+    @weight.setter
+    def weight(self, value: float) -> None:
+        self.buffer[self.n] = value
+
     @property
-    def message_length(self) -> int:
-        return self.stop - self.start + (1 if self.track_weight else 0)
+    def width(self) -> int:
+        return self.stop - self.start
 
     def _message_spec(self):
-        """What one push sends: the shard, plus the weight slot when it is tracked."""
+        """What one uncompressed push sends: the shard, plus the weight slot when tracked."""
         shard = self.buffer[self.start:self.stop]
-        if not self.track_weight:
+        if self.codec is not None or not self.track_weight:
             return shard
         if self.start == 0 and self.stop == self.n:
             return self.buffer
-        dtype = self._mpi_type.Create_indexed([self.stop - self.start, 1], [self.start, self.n])
+        dtype = self._mpi_type.Create_indexed([self.width, 1], [self.start, self.n])
         dtype.Commit()
         return [self.buffer, 1, dtype]
 
-    def _receive_buffer(self, count: int) -> np.ndarray:
-        if count not in self._receive:
-            self._receive[count] = np.empty((count, self.message_length), dtype=self.buffer.dtype)
-        return self._receive[count]
+    def _new_message(self, rows: int) -> np.ndarray:
+        if self.codec is not None:
+            return np.empty((rows, self.width + WEIGHT_WORDS), dtype=np.uint16)
+        return np.empty((rows, self.width + (1 if self.track_weight else 0)), self.buffer.dtype)
 
     def mix(self) -> None:
         """One synchronous PushSum iteration over this iteration's graph."""
@@ -108,52 +118,68 @@ class PushSumMixer:
         """Keep this node's share and post the pushes and receives of the current iteration."""
         phase = self.topology.phase(self.iteration)
         out_peers, in_peers = phase.out_peers[self.node], phase.in_peers(self.node)
+        shares = phase.out_weights[self.node]
         shard = self.buffer[self.start:self.stop]
-        slot = self.buffer[self.n:] if self.track_weight else None
-        weight = float(slot[0]) if slot is not None else 1.0
+        slot = self.buffer[self.n:]
+        weight = float(slot[0]) if self.track_weight else 1.0
         keep = phase.self_weights[self.node]
-        if phase.uniform_out(self.node):
+        if phase.uniform_out(self.node):  # own share == every peer's share: one message
             shard *= weight * keep
-            if slot is not None:
-                slot *= keep
-            sends = [(peer, self._message) for peer in out_peers]
+            slot *= keep
+            sends = [(peer, self._encode(shard, slot[0], self._message)) for peer in out_peers]
         else:
             shard *= weight
-            message = np.concatenate([shard, slot]) if slot is not None else shard.copy()
-            sends = [(peer, message * share)
-                     for peer, share in zip(out_peers, phase.out_weights[self.node])]
+            x = np.concatenate([shard, slot]) if self.track_weight else shard.copy()
+            sends = [(peer, self._encode(x[:self.width] * share, slot[0] * share, x * share))
+                     for peer, share in zip(out_peers, shares)]
             shard *= keep
-            if slot is not None:
-                slot *= keep
-        received = self._receive_buffer(len(in_peers))
+            slot *= keep
+        received = self._new_message(len(in_peers))
         pending = self.transport.start(self.iteration, sends,
                                        [(peer, received[t]) for t, peer in enumerate(in_peers)])
         pending.received = received
         return pending
 
+    def _encode(self, values: np.ndarray, weight: float, plain):
+        if self.codec is None:
+            return plain
+        out = np.empty(self.width + WEIGHT_WORDS, dtype=np.uint16)
+        pack(self.codec, values, weight, out)
+        return out
+
     def finish(self, pending: Pending) -> None:
         """Wait for this iteration's messages, sum them in and de-bias."""
         self.transport.wait(pending)
-        in_peers = pending.sources()
-        received = pending.received
-        shard = self.buffer[self.start:self.stop]
-        slot = self.buffer[self.n:] if self.track_weight else None
-        width = self.stop - self.start
-        for row in received:
-            shard += row[:width]
-        if slot is not None:
-            self._check_weights(received[:, width], in_peers)
-            slot += received[:, width].sum()
-            shard /= slot[0]
+        self.accumulate(pending.received, pending.sources())
         self.iteration += 1
         if self.local is not None:
             self.local.Allgatherv(MPI.IN_PLACE, self._gather)
 
-    def _check_weights(self, weights: np.ndarray, in_peers) -> None:
-        for w, peer in zip(weights, in_peers):
+    def accumulate(self, received: np.ndarray, sources: list[int]) -> None:
+        """Add received messages (one row each) into the shard and weight, then de-bias."""
+        shard = self.buffer[self.start:self.stop]
+        weights = []
+        for row in received:
+            if self.codec is None:
+                shard += row[:self.width]
+                weights.append(row[self.width] if self.track_weight else 1.0)
+            else:
+                values, weight = unpack(self.codec, row)
+                shard += values
+                weights.append(weight)
+        if self.track_weight:
+            self._check_weights(weights, sources)
+            self.buffer[self.n] += sum(weights)
+            shard /= self.buffer[self.n]
+
+    def _check_weights(self, weights, sources) -> None:
+        for w, peer in zip(weights, sources):
             if not math.isfinite(float(w)) or w <= 0:
                 raise SgpError(f"received PushSum weight {float(w)!r} from rank {peer} at "
                                f"iteration {self.iteration}: the sender diverged (NaN/inf)")
+        own = float(self.buffer[self.n])
+        if not math.isfinite(own) or own <= 0:
+            raise SgpError(f"own PushSum weight is {own!r} at iteration {self.iteration}")
 
 
 def gossip_average(values: np.ndarray, steps: int, topology="exponential", peers: int = 1,

