@@ -43,9 +43,11 @@ def mpi_op(op: ReduceOp) -> MPI.Op:
 class Handle:
     """A collective in flight; ``wait()`` returns its result, ``done()`` polls it."""
 
-    def __init__(self, request: Optional[MPI.Request], finish: Callable[[], Any]):
+    def __init__(self, request: Optional[MPI.Request], finish: Callable[[], Any],
+                 buffers: tuple = ()):
         self._request = request
         self._finish = finish
+        self._buffers = buffers  # MPI reads and writes them until the request completes
         self._result: Any = None
         self._complete = False
 
@@ -58,6 +60,7 @@ class Handle:
                 self._request.Wait()
             self._result = self._finish()
             self._complete = True
+            self._buffers = ()
         return self._result
 
 
@@ -89,7 +92,7 @@ def allreduce_async(array: np.ndarray, op: ReduceOp = ReduceOp.Average,
                 np.multiply(result, np.asarray(scale, dtype=result.dtype), out=result)
         return result
 
-    return Handle(request, finish)
+    return Handle(request, finish, (source, result))
 
 
 def allreduce(array: np.ndarray, op: ReduceOp = ReduceOp.Average, prescale_factor: float = 1.0,
@@ -112,7 +115,7 @@ def allgather_async(array: np.ndarray, comm: Optional[MPI.Comm] = None) -> Handl
     counts = [shape[0] * row for shape in rows]
     result = np.empty((sum(shape[0] for shape in rows), *source.shape[1:]), dtype=source.dtype)
     request = comm.Iallgatherv(source, [result, counts])
-    return Handle(request, lambda: result)
+    return Handle(request, lambda: result, (source, result))
 
 
 def allgather(array: np.ndarray, comm: Optional[MPI.Comm] = None) -> np.ndarray:
@@ -127,7 +130,7 @@ def broadcast_async(array: np.ndarray, root_rank: int, comm: Optional[MPI.Comm] 
     target = array if inplace else np.array(array, copy=True, order="C")
     if not target.flags.c_contiguous:
         raise SgpValueError("in-place broadcast needs a contiguous array")
-    return Handle(comm.Ibcast(target, root=root_rank), lambda: target)
+    return Handle(comm.Ibcast(target, root=root_rank), lambda: target, (target,))
 
 
 def broadcast(array: np.ndarray, root_rank: int, comm: Optional[MPI.Comm] = None,
@@ -155,8 +158,8 @@ def alltoall(array: np.ndarray, splits: Optional[np.ndarray] = None,
     row = int(np.prod(source.shape[1:], dtype=np.int64))
     result = np.empty((int(received.sum()), *source.shape[1:]), dtype=source.dtype)
     send_counts, recv_counts = splits * row, received * row
-    comm.Alltoallv([source, send_counts, _displacements(send_counts)],
-                   [result, recv_counts, _displacements(recv_counts)])
+    comm.Alltoallv([source, (send_counts.tolist(), _displacements(send_counts))],
+                   [result, (recv_counts.tolist(), _displacements(recv_counts))])
     return result, received
 
 
@@ -187,8 +190,8 @@ def barrier(comm: Optional[MPI.Comm] = None) -> None:
     _comm(comm).Barrier()
 
 
-def _displacements(counts: np.ndarray) -> np.ndarray:
-    return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+def _displacements(counts: np.ndarray) -> list[int]:
+    return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist()
 
 
 def _check_root(root_rank: int, comm: MPI.Comm) -> None:

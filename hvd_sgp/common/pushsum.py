@@ -49,12 +49,13 @@ class PushSumMixer:
     communicator, one rank per node; in the simulator: in-process mailboxes).
 
     ``codec`` (see compression.py) sends parameters as fp16/bf16; the weight then travels exact
-    beside them, and receivers accumulate in the buffer's precision.
+    beside them, and receivers accumulate in the buffer's precision. ``track_weight`` forces the
+    weight on (or off) instead of deciding from the graph.
     """
 
     def __init__(self, buffer: np.ndarray, topology: Topology, transport: PeerTransport,
                  local: Optional[MPI.Comm] = None, push_sum: bool = True,
-                 codec: Optional[Codec] = None):
+                 codec: Optional[Codec] = None, track_weight: Optional[bool] = None):
         if buffer.ndim != 1 or buffer.size < 1 or not buffer.flags.c_contiguous:
             raise SgpValueError("the PushSum buffer must be one contiguous 1-D array of "
                                 "parameters followed by the weight slot (see allocate())")
@@ -66,7 +67,9 @@ class PushSumMixer:
         self.topology = topology
         self.node = transport.rank
         self.push_sum = push_sum
-        self.track_weight = push_sum and not topology.doubly_stochastic
+        # None: skip the weight where it provably stays 1 (doubly stochastic, synchronous).
+        self.track_weight = (push_sum and not topology.doubly_stochastic
+                             if track_weight is None else track_weight and push_sum)
         self.codec = codec
         self.iteration = 0
         self.transport = transport

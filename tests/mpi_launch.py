@@ -1,0 +1,37 @@
+"""Run a check script under the embedded mpirun; many checks per launch keep the suite fast."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+
+def mpirun_path() -> str:
+    beside = Path(sys.executable).parent / "mpirun"
+    return str(beside) if beside.exists() else "mpirun"
+
+
+def run_mpi(n: int, script: str, *args: str, env: dict | None = None, timeout: float = 300,
+            check: bool = True) -> subprocess.CompletedProcess:
+    """Launch ``script`` (a file in tests/) on n ranks; by default every rank is its own node."""
+    environ = dict(os.environ)
+    environ.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+                    "OMPI_MCA_rmaps_base_oversubscribe": "1",
+                    "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe",
+                    "OMPI_MCA_mpi_yield_when_idle": "1", "HVD_SGP_LOCAL_SIZE": "1",
+                    "TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1",
+                    "PYTHONPATH": os.pathsep.join([str(REPO), environ.get("PYTHONPATH", "")])})
+    environ.update(env or {})
+    command = [mpirun_path(), "-np", str(n), "--bind-to", "none", sys.executable,
+               str((HERE / script).resolve()), *args]
+    proc = subprocess.run(command, env=environ, capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{script} on {n} ranks exited {proc.returncode}\n"
+                             f"--- stdout ---\n{proc.stdout[-6000:]}\n"
+                             f"--- stderr ---\n{proc.stderr[-6000:]}")
+    return proc

@@ -1,0 +1,41 @@
+"""hvd_sgp.torch on real MPI processes: Horovod's behaviours, SGP's properties, convergence."""
+import re
+
+import pytest
+
+from mpi_launch import run_mpi
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+def test_torch_checks(n):
+    out = run_mpi(n, "torch_checks.py", timeout=600).stdout
+    assert f"all torch checks passed on {n} ranks" in out
+    if n in (2, 4, 8):
+        assert "exact average in log2(n)" in out
+
+
+def test_two_rank_nodes_average_inside_and_gossip_across():
+    """HVD_SGP_LOCAL_SIZE=2 on 4 ranks: two nodes of two ranks, each rank carrying half."""
+    out = run_mpi(4, "torch_checks.py", "check_complete_equals_allreduce",
+                  "check_state_dict_and_consensus", "check_regression",
+                  env={"HVD_SGP_LOCAL_SIZE": "2"}).stdout
+    assert "all torch checks passed on 4 ranks" in out
+
+
+def digits(n, mode):
+    out = run_mpi(n, "../examples/pytorch_digits.py", env={"HVD_SGP_MODE": mode},
+                  timeout=600).stdout
+    accuracy = float(re.search(r"final test accuracy ([0-9.]+)", out).group(1))
+    deviation = float(re.search(r"max relative deviation from the network average ([0-9.]+)",
+                                out).group(1))
+    return accuracy, deviation
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_digits_sgp_matches_allreduce(n):
+    sgp_acc, sgp_dev = digits(n, "sgp")
+    ar_acc, _ = digits(n, "allreduce")
+    print(f"n={n}: SGP accuracy {sgp_acc:.4f}, AllReduce {ar_acc:.4f}, deviation {sgp_dev:.4f}")
+    assert sgp_acc >= ar_acc - 0.015, (sgp_acc, ar_acc)
+    assert sgp_dev < 0.05, sgp_dev
+    assert sgp_acc > 0.9

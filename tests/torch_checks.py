@@ -1,0 +1,304 @@
+"""Checks of hvd_sgp.torch on real MPI processes; run by test_torch.py on n ranks.
+
+Each check prints "ok <name>" on rank 0; a failure raises and ends the job non-zero.
+"""
+import copy
+import math
+import os
+import sys
+import tempfile
+import warnings
+
+import numpy as np
+import torch
+
+import hvd_sgp.torch as hvd
+from hvd_sgp.common import runtime
+
+hvd.init()
+runtime.abort_on_uncaught_errors()
+torch.set_num_threads(1)
+n, me = hvd.size(), hvd.rank()
+only = set(sys.argv[1:])
+
+
+def ok(name):
+    hvd.barrier()
+    if me == 0:
+        print(f"ok {name}", flush=True)
+
+
+def flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def mlp(seed, width=8):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Tanh(), torch.nn.Linear(width, 1))
+
+
+def check_collectives():
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3) + me
+    assert torch.allclose(hvd.allreduce(t), torch.arange(6.).reshape(2, 3) + (n - 1) / 2)
+    assert torch.allclose(hvd.allreduce(t, op=hvd.Sum), (torch.arange(6.).reshape(2, 3) * n + n * (n - 1) / 2))
+    assert hvd.allreduce(torch.tensor([me]), op=hvd.Max).item() == n - 1
+    assert hvd.allreduce(torch.tensor([me + 1.0]), op=hvd.Min).item() == 1
+    assert hvd.allreduce(torch.tensor([2.0]), op=hvd.Product).item() == 2.0 ** n
+    assert torch.allclose(hvd.allreduce(t, prescale_factor=2.0, postscale_factor=0.5), hvd.allreduce(t))
+    s = torch.ones(3) * me
+    hvd.allreduce_(s, op=hvd.Sum)
+    assert torch.allclose(s, torch.full((3,), n * (n - 1) / 2))
+    h = hvd.allreduce_async(torch.ones(2))
+    assert torch.allclose(hvd.synchronize(h), torch.ones(2))
+    half = hvd.allreduce(torch.ones(4, dtype=torch.float16) * me, compression=hvd.Compression.fp16)
+    assert half.dtype == torch.float16 and float(half[0]) == (n - 1) / 2
+    g = hvd.allgather(torch.full((me + 1, 2), float(me)))
+    assert g.shape == (n * (n + 1) // 2, 2) and g[-1, 0] == n - 1
+    b = hvd.broadcast(torch.full((3,), float(me)), root_rank=n - 1)
+    assert torch.equal(b, torch.full((3,), float(n - 1)))
+    c = torch.full((3,), float(me))
+    hvd.broadcast_(c, root_rank=0)
+    assert torch.equal(c, torch.zeros(3))
+    splits = torch.tensor([1] * n)
+    out, received = hvd.alltoall(torch.arange(n, dtype=torch.float32) + 10 * me, splits=splits)
+    assert torch.equal(out, torch.tensor([10.0 * r + me for r in range(n)]))
+    assert received.tolist() == [1] * n
+    rs = hvd.reducescatter(torch.ones(2 * n, 2) * me, op=hvd.Sum)
+    assert rs.shape == (2, 2) and float(rs[0, 0]) == n * (n - 1) / 2
+    assert hvd.broadcast_object({"rank": me}, root_rank=0) == {"rank": 0}
+    assert hvd.allgather_object(me) == list(range(n))
+    out = hvd.grouped_allreduce([torch.ones(2) * me, torch.ones(1)])
+    assert torch.allclose(out[0], torch.full((2,), (n - 1) / 2))
+    assert 0 <= hvd.join() < n
+    try:
+        hvd.allreduce(t, op=hvd.Adasum)
+    except ValueError as e:
+        assert "Adasum" in str(e) and f"rank {me}" in str(e)
+    else:
+        raise AssertionError("Adasum accepted")
+    ok("collectives")
+
+
+def check_broadcast_optimizer_state():
+    kinds = [(torch.optim.SGD, dict(lr=0.1, momentum=0.9)), (torch.optim.Adam, dict(lr=0.01)),
+             (torch.optim.AdamW, dict(lr=0.01)), (torch.optim.Adagrad, dict(lr=0.1)),
+             (torch.optim.Adadelta, dict()), (torch.optim.Adamax, dict()),
+             (torch.optim.ASGD, dict()), (torch.optim.NAdam, dict()), (torch.optim.RAdam, dict()),
+             (torch.optim.RMSprop, dict(lr=0.01, momentum=0.5)), (torch.optim.Rprop, dict())]
+    for cls, kw in kinds:
+        model = mlp(me)
+        opt = cls(model.parameters(), **kw)
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        if me == 0:
+            for g in opt.param_groups:
+                g["lr"] = 0.123
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        state = opt.state_dict()
+        mine = [v for s in state["state"].values() for v in s.values()]
+        roots = hvd.broadcast_object(mine, root_rank=0)
+        for a, b in zip(mine, roots):
+            if isinstance(a, torch.Tensor):
+                assert torch.equal(a, b), cls
+            else:
+                assert a == b, cls
+        assert opt.param_groups[0]["lr"] == 0.123, cls
+        assert torch.equal(flat(model), hvd.broadcast(flat(model), 0))
+    ok(f"broadcast_optimizer_state for {len(kinds)} optimizers")
+
+
+def check_named_parameters():
+    model = mlp(0)
+    named = list(model.named_parameters())
+    for bad, message in ((named + [named[0]], "unique"), (named[1:], "not named"),
+                         ([p for _, p in named], "tuples")):
+        try:
+            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=bad)
+        except ValueError as e:
+            assert message in str(e), e
+        else:
+            raise AssertionError(f"accepted {message}")
+    hvd.DistributedOptimizer(torch.optim.SGD(mlp(0).parameters(), lr=0.1))  # absent is fine
+    ok("named_parameters duplicates / missing / malformed / absent")
+
+
+def train_steps(opt, model, steps, seed, clip=None, twice=False):
+    gen = torch.Generator().manual_seed(seed + me)
+    for _ in range(steps):
+        x = torch.randn(8, 4, generator=gen)
+        y = torch.randn(8, 1, generator=gen)
+        opt.zero_grad()
+        out = model(x)
+        if twice:
+            out = out + model(x * 0.5)
+        torch.nn.functional.mse_loss(out, y).backward()
+        if clip is not None:
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
+
+
+def check_complete_equals_allreduce():
+    results = {}
+    for mode, topology in (("sgp", "complete"), ("allreduce", None)):
+        model = mlp(1)
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3),
+            named_parameters=model.named_parameters(), topology=topology, mode=mode)
+        train_steps(opt, model, 20, seed=3)
+        results[mode] = flat(model)
+    diff = (results["sgp"] - results["allreduce"]).abs().max().item()
+    assert diff < 1e-5, diff
+    ok(f"complete-graph SGP equals AllReduce SGD with momentum over 20 steps ({diff:.1e})")
+
+
+def check_pure_mixing():
+    model = mlp(100 + me)
+    target = hvd.allreduce(flat(model))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0))
+    steps = int(math.log2(n)) if n & (n - 1) == 0 else 0
+    train_steps(opt, model, steps, seed=0)
+    if steps:
+        err = (flat(model) - target).abs().max().item()
+        assert err < 1e-6, err
+        ok(f"lr=0 reaches the exact average in log2(n)={steps} steps")
+
+
+def check_regression():
+    true_w = torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
+    noise = 0.1
+    topologies = ["exponential", "ring", "complete", "random"] + (["bipartite"] if n % 2 == 0 else [])
+    for topology in topologies:
+        torch.manual_seed(7 + me)
+        model = torch.nn.Linear(4, 1, bias=False)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                       topology=topology)
+        gen = torch.Generator().manual_seed(11 + me)
+        for step in range(300):
+            x = torch.randn(16, 4, generator=gen)
+            y = x @ true_w + noise * torch.randn(16, 1, generator=gen)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        x = torch.randn(2000, 4, generator=gen)
+        y = x @ true_w + noise * torch.randn(2000, 1, generator=gen)
+        mse = torch.nn.functional.mse_loss(model(x), y).item()
+        assert mse < 1.5 * noise ** 2, (topology, mse)
+    ok(f"linear regression MSE < 1.5 noise^2 on {topologies}")
+
+
+def check_horovod_behaviours():
+    # clipping between synchronize() and step(), inside skip_synchronize()
+    model = mlp(2)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train_steps(opt, model, 3, seed=1, clip=0.5)
+    # the step warning
+    model(torch.randn(2, 4)).sum().backward()
+    opt.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    assert any("skip_synchronize" in str(w.message) for w in caught)
+    # backward_passes_per_step
+    model = mlp(3)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   backward_passes_per_step=2)
+    for _ in range(2):
+        model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    try:
+        for _ in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+    except AssertionError as e:
+        assert "backward_passes_per_step" in str(e)
+    else:
+        raise AssertionError("a third backward pass was accepted")
+    opt.set_backward_passes_per_step(3)
+    # a layer used twice per step, and a parameter that toggles requires_grad
+    model = mlp(4)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    train_steps(opt, model, 2, seed=2, twice=True)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    frozen = model[0].weight.detach().clone()
+    model[0].weight.requires_grad_(False)
+    train_steps(opt, model, 2, seed=3)  # a frozen parameter is mixed, not stepped
+    assert torch.allclose(model[0].weight, frozen, atol=1e-6)
+    model[0].weight.requires_grad_(True)
+    train_steps(opt, model, 2, seed=4)
+    assert not torch.equal(model[0].weight, frozen)
+    # compression: training still reaches the same neighbourhood
+    finals = {}
+    for name, comp in (("none", hvd.Compression.none), ("fp16", hvd.Compression.fp16),
+                       ("bf16", hvd.Compression.bf16)):
+        model = mlp(5)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                       compression=comp)
+        train_steps(opt, model, 10, seed=5)
+        finals[name] = flat(model)
+    assert (finals["fp16"] - finals["none"]).abs().max() < 5e-3
+    assert (finals["bf16"] - finals["none"]).abs().max() < 5e-2
+    ok("clipping with synchronize, step warning, backward_passes_per_step, shared layer, "
+       "requires_grad toggling, fp16/bf16 compression")
+
+
+def check_state_dict_and_consensus():
+    model = mlp(6 + me)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                   topology=hvd_irregular() if hvd.cross_size() >= 3 else None)
+    train_steps(opt, model, 5, seed=6)
+    state = copy.deepcopy(opt.state_dict())  # as torch.save would: a snapshot
+    assert state["hvd_sgp"]["iteration"] == 5
+    params = flat(model).clone()
+    train_steps(opt, model, 3, seed=7)
+    after = flat(model).clone()
+    with torch.no_grad():  # in place: the parameters live in hvd_sgp's flat buffer
+        offset = 0
+        for p in model.parameters():
+            p.copy_(params[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+    opt.load_state_dict(state)
+    train_steps(opt, model, 3, seed=7)
+    assert torch.allclose(flat(model), after, atol=1e-6), (flat(model) - after).abs().max()
+    opt.average_parameters()
+    assert torch.allclose(flat(model), hvd.broadcast(flat(model), 0), atol=1e-6)
+    metrics = opt.metrics()
+    assert metrics["iteration"] == 8 and (n == 1 or metrics["bytes_sent"] > 0)
+    ok("state_dict resumes exactly; average_parameters gives consensus; metrics")
+
+
+def hvd_irregular():
+    from hvd_sgp.common.topology import CustomGraph
+    nodes = hvd.cross_size()
+    return CustomGraph(nodes, [[[j for j in range(nodes) if j != i] if i == 0
+                                else [(i + 1) % nodes] for i in range(nodes)]])
+
+
+def check_mismatch_detected():
+    width = 8 if me == 0 else 9
+    try:
+        hvd.DistributedOptimizer(torch.optim.SGD(mlp(0, width=width).parameters(), lr=0.1))
+    except ValueError as e:
+        assert "different parameters" in str(e) and "ranks [" in str(e), e
+    else:
+        if n > 1:
+            raise AssertionError("mismatched models were accepted")
+    ok("mismatched parameter shapes raise on every rank")
+
+
+checks = [check_collectives, check_broadcast_optimizer_state, check_named_parameters,
+          check_complete_equals_allreduce, check_pure_mixing, check_regression,
+          check_horovod_behaviours, check_state_dict_and_consensus, check_mismatch_detected]
+for check in checks:
+    if not only or check.__name__ in only:
+        check()
+if me == 0:
+    print(f"all torch checks passed on {n} ranks", flush=True)
