@@ -6,7 +6,7 @@ import math
 import sys
 
 import numpy as np
-from mpi4py import MPI
+from hvd_sgp.common.mpi import MPI
 
 from hvd_sgp.common import PushSumMixer, SgpValueError, allocate, gossip_average, init
 from hvd_sgp.common import runtime

@@ -294,9 +294,49 @@ def check_mismatch_detected():
     ok("mismatched parameter shapes raise on every rank")
 
 
+def check_overlap_schedules_and_modes():
+    true_w = torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
+    for kwargs in (dict(overlap=True, max_delay=1), dict(overlap=True, max_delay=2),
+                   dict(mode="dpsgd") if n % 2 == 0 or n == 1 else dict(mode="sgp")):
+        torch.manual_seed(7 + me)
+        model = torch.nn.Linear(4, 1, bias=False)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), **kwargs)
+        gen = torch.Generator().manual_seed(11 + me)
+        for step in range(300):
+            x = torch.randn(16, 4, generator=gen)
+            y = x @ true_w + 0.1 * torch.randn(16, 1, generator=gen)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        opt.synchronize_gossip()
+        err = (model.weight.detach().T - true_w).abs().max().item()
+        assert err < 0.05, (kwargs, err)
+    # hybrid schedule: identical parameters in AllReduce stages, gossip in between
+    model = mlp(20 + me)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                   schedule="0:allreduce,5s:sgp2,10s:osgp1,15s:allreduce")
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    modes = []
+    for step in range(20):
+        train_steps(opt, model, 1, seed=30 + step)
+        modes.append(opt.metrics()["mode"] + ("+overlap" if opt.metrics()["overlap"] else ""))
+        if step in (4, 19):
+            assert torch.equal(flat(model), hvd.broadcast(flat(model), 0)), step
+    assert modes[0] == "allreduce" and modes[7] == "sgp" and modes[12] == "sgp+overlap", modes
+    try:
+        hvd.DistributedOptimizer(torch.optim.SGD(mlp(0).parameters(), lr=0.1),
+                                 schedule="0:allreduce,ten:sgp")
+    except ValueError as e:
+        assert "START:MODE" in str(e) and f"rank {me}" in str(e)
+    else:
+        raise AssertionError("a bad schedule was accepted")
+    ok("overlap tau=1,2 and dpsgd converge; schedule switches keep ranks consistent")
+
+
 checks = [check_collectives, check_broadcast_optimizer_state, check_named_parameters,
           check_complete_equals_allreduce, check_pure_mixing, check_regression,
-          check_horovod_behaviours, check_state_dict_and_consensus, check_mismatch_detected]
+          check_horovod_behaviours, check_state_dict_and_consensus, check_mismatch_detected,
+          check_overlap_schedules_and_modes]
 for check in checks:
     if not only or check.__name__ in only:
         check()

@@ -9,7 +9,7 @@ import enum
 from typing import Any, Callable, Optional
 
 import numpy as np
-from mpi4py import MPI
+from hvd_sgp.common.mpi import MPI
 
 from hvd_sgp.common import runtime
 from hvd_sgp.common.errors import SgpValueError

@@ -3,8 +3,9 @@
 An adapter hands it flat numpy buffers (one per dtype: parameters + weight slot, see
 pushsum.allocate) and, each step, flat gradients. The engine averages gradients exactly inside
 the node (or across the world in ``mode='allreduce'``), and after the adapter's local step runs
-the mode's exchange: PushSum over the cross-node graph (``sgp``), symmetric pairwise averaging
-(``dpsgd``) or nothing (``allreduce``).
+the current stage's exchange: PushSum over the cross-node graph (``sgp``, synchronous or
+overlapped), symmetric pairwise averaging (``dpsgd``) or nothing (``allreduce``). A schedule
+switches between stages at epoch or step boundaries, keeping ranks consistent.
 """
 from __future__ import annotations
 
@@ -12,15 +13,16 @@ import sys
 from typing import Sequence
 
 import numpy as np
-from mpi4py import MPI
+from hvd_sgp.common.mpi import MPI
 
-from hvd_sgp.common import runtime
+from hvd_sgp.common import runtime, schedule
 from hvd_sgp.common.compression import CODECS
 from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.common.options import SgpOptions
+from hvd_sgp.common.overlap import OverlapMixer
 from hvd_sgp.common.pushsum import PushSumMixer, average_in_node
 from hvd_sgp.common.topology import BipartiteExponentialGraph, make_topology
-from hvd_sgp.common.transport import PeerTransport
+from hvd_sgp.common.transport import PeerTransport, Progress
 
 
 class GossipEngine:
@@ -32,32 +34,77 @@ class GossipEngine:
         self.buffers = list(buffers)
         self.world = runtime.world_comm()
         self.local = runtime.local_comm()
-        cross = runtime.cross_comm()
+        self.cross = runtime.cross_comm()
         check_consistent(self.world, [tuple(map(str, s)) for s in signature],
                          options.describe() + (compression,))
-        if options.mode == "dpsgd":
-            topology = BipartiteExponentialGraph(cross.Get_size(), options.peers)
-            push_sum = False
-        else:
-            topology = make_topology(options.topology, cross.Get_size(), options.peers)
-            push_sum = options.push_sum
-        self.topology = topology
-        self.transport = PeerTransport(cross, options.timeout)
-        self.mixers = [PushSumMixer(buf, topology, self.transport, self.local, push_sum,
-                                    CODECS[compression]) for buf in self.buffers]
+        self.codec = CODECS[compression]
+        self.stages = (schedule.parse(options.schedule) if options.schedule else
+                       [schedule.Stage(0, "epoch", options.mode, options.peers, options.overlap)])
+        if any(s.overlap for s in self.stages) and not runtime.mpi_threads_supported():
+            raise SgpValueError("Overlap SGP needs MPI_THREAD_MULTIPLE, which this MPI did not "
+                                "grant; use an MPI built with thread support or overlap=False")
+        self.transport = PeerTransport(self.cross, options.timeout)
+        self.progress = None
+        self.epoch = 0
         self.steps = 0
-        if cross.Get_size() == 1 and self.world.Get_size() > 1 and self.world.Get_rank() == 0:
+        self.stage = None
+        self.mixers: list[PushSumMixer] = []
+        self._enter(schedule.current(self.stages, 0, 0))
+        if self.cross.Get_size() == 1 and self.world.Get_size() > 1 and self.world.Get_rank() == 0:
             print(f"hvd_sgp: all {self.world.Get_size()} ranks share one node, so gradients are "
                   "averaged exactly and nothing is gossiped; set HVD_SGP_LOCAL_SIZE=1 to make "
                   "every rank its own SGP node", file=sys.stderr, flush=True)
 
+    # --- stages ---------------------------------------------------------------------------
     @property
-    def iteration(self) -> int:
-        return self.steps
+    def mode(self) -> str:
+        """The exchange of the current step (after any schedule switch)."""
+        wanted = schedule.current(self.stages, self.epoch, self.steps)
+        if wanted != self.stage:
+            self._enter(wanted)
+        return self.stage.mode
 
+    @property
+    def tracks_weight(self) -> bool:
+        return any(m.track_weight for m in self.mixers)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def _enter(self, stage: schedule.Stage) -> None:
+        """Switch exchange; every rank switches at the same step, so they stay consistent."""
+        self.drain()
+        if self.stage is not None and stage.mode == "allreduce" and self.stage.mode != "allreduce":
+            self.average_parameters()  # AllReduce SGD must start from identical parameters
+        was_tracking = self.stage is not None and self.tracks_weight
+        self.stage = stage
+        nodes = self.cross.Get_size()
+        if stage.mode == "allreduce":
+            self.mixers = []
+            return
+        if stage.mode == "dpsgd":
+            topology, push_sum = BipartiteExponentialGraph(nodes, stage.peers), False
+        else:
+            topology = make_topology(self.options.topology, nodes, stage.peers)
+            push_sum = self.options.push_sum
+        if stage.overlap:
+            if self.progress is None:
+                self.progress = Progress(self.transport)
+            self.mixers = [OverlapMixer(buf, topology, self.transport, self.progress, self.local,
+                                        push_sum, self.codec, self.options.max_delay)
+                           for buf in self.buffers]
+        else:
+            self.mixers = [PushSumMixer(buf, topology, self.transport, self.local, push_sum,
+                                        self.codec) for buf in self.buffers]
+        for mixer in self.mixers:
+            mixer.iteration = self.steps
+        if was_tracking and not self.tracks_weight:
+            self.average_parameters()  # the new stage assumes weight 1: fold it in exactly
+
+    # --- the step -----------------------------------------------------------------------
     def reduce_gradients(self, grads: np.ndarray) -> None:
         """Average gradients in place: over the node, or over the world for AllReduce SGD."""
-        if self.options.mode == "allreduce":
+        if self.mode == "allreduce":
             if self.world.Get_size() > 1:
                 self.world.Allreduce(MPI.IN_PLACE, grads, op=MPI.SUM)
                 grads /= self.world.Get_size()
@@ -66,52 +113,69 @@ class GossipEngine:
 
     def communicate(self) -> None:
         """The exchange that follows each local step."""
+        mode = self.mode
         self.steps += 1
-        if self.options.mode == "allreduce":
+        if mode == "allreduce":
+            return
+        if self.stage.overlap:
+            for mixer in self.mixers:
+                mixer.mix()
             return
         pending = [mixer.begin() for mixer in self.mixers]
         for mixer, p in zip(self.mixers, pending):
             mixer.finish(p)
 
     def drain(self) -> None:
-        """Complete every exchange in flight (synchronous modes have none between steps)."""
+        """Complete every exchange in flight (only Overlap SGP leaves any between steps)."""
+        for mixer in self.mixers:
+            if isinstance(mixer, OverlapMixer):
+                mixer.drain()
 
     def average_parameters(self) -> None:
         """Exact consensus: every rank gets sum_i(w_i z_i) / sum_i(w_i), and weight 1."""
-        for mixer, buf in zip(self.mixers, self.buffers):
+        self.drain()
+        for buf in self.buffers:
+            weight = float(buf[-1])
             x = buf[:-1]
-            weight = mixer.weight
-            if mixer.track_weight:
-                x *= weight
+            x *= weight
             total = np.array([weight], dtype=np.float64)
             self.world.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
             self.world.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
-            x /= total[0] if mixer.track_weight else self.world.Get_size()
+            x /= total[0]
             buf[-1] = 1
 
+    # --- state and figures ---------------------------------------------------------------
     def state(self) -> dict:
-        return {"iteration": self.steps, "weights": [float(b[-1]) for b in self.buffers],
-                "mixer_iterations": [m.iteration for m in self.mixers]}
+        self.drain()
+        return {"iteration": self.steps, "epoch": self.epoch,
+                "weights": [float(b[-1]) for b in self.buffers]}
 
     def load_state(self, state: dict) -> None:
         weights = state["weights"]
         if len(weights) != len(self.buffers):
             raise SgpValueError(f"checkpoint has {len(weights)} PushSum buffers, this model "
                                 f"has {len(self.buffers)}")
+        self.drain()
         self.steps = int(state["iteration"])
-        for buf, w, m, k in zip(self.buffers, weights, self.mixers, state["mixer_iterations"]):
+        self.epoch = int(state.get("epoch", 0))
+        for buf, w in zip(self.buffers, weights):
             buf[-1] = w
-            m.iteration = int(k)
+        self.stage, self.mixers = None, []  # restoring, not switching: nothing to average
+        self._enter(schedule.current(self.stages, self.epoch, self.steps))
 
     def metrics(self) -> dict:
         """Cheap per-rank figures (no communication)."""
         stats = self.transport.stats
-        return {"weight": self.mixers[0].weight if self.mixers else 1.0,
+        return {"weight": float(self.buffers[0][-1]) if self.buffers else 1.0,
                 "wait_seconds": stats.last_wait_seconds,
                 "total_wait_seconds": stats.wait_seconds,
-                "bytes_sent": stats.bytes_sent, "iteration": self.steps}
+                "bytes_sent": stats.bytes_sent, "iteration": self.steps,
+                "mode": self.stage.mode, "overlap": self.stage.overlap}
 
     def close(self) -> None:
+        self.drain()
+        if self.progress is not None:
+            self.progress.close()
         self.transport.free()
 
 

@@ -15,7 +15,7 @@ import math
 from typing import Optional
 
 import numpy as np
-from mpi4py import MPI
+from hvd_sgp.common.mpi import MPI
 
 from hvd_sgp.common.compression import WEIGHT_WORDS, Codec, pack, unpack
 from hvd_sgp.common.errors import SgpError, SgpValueError
@@ -42,6 +42,15 @@ def average_in_node(array: np.ndarray, local: MPI.Comm) -> None:
     if local.Get_size() > 1:
         local.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
         array /= local.Get_size()
+
+
+class Audit:
+    """Mass ledger for tests: what this node pushed and what it summed in, as (numerators,
+    weight). Summed over nodes, sent - received is the mass in flight."""
+
+    def __init__(self) -> None:
+        self.sent = np.zeros(2)
+        self.received = np.zeros(2)
 
 
 class PushSumMixer:
@@ -78,6 +87,7 @@ class PushSumMixer:
         self.start, self.stop = shard_bounds(self.n, parts, index)
         self._mpi_type = MPI._typedict[buffer.dtype.char]
         self._message = self._message_spec()
+        self.audit: Optional[Audit] = None
         self._gather = None
         if self.local is not None:
             bounds = [shard_bounds(self.n, parts, r) for r in range(parts)]
@@ -117,8 +127,12 @@ class PushSumMixer:
         """One synchronous PushSum iteration over this iteration's graph."""
         self.finish(self.begin())
 
-    def begin(self) -> Pending:
-        """Keep this node's share and post the pushes and receives of the current iteration."""
+    def begin(self, detach: bool = False) -> Pending:
+        """Keep this node's share and post the pushes and receives of the current iteration.
+
+        ``detach`` sends a copy instead of the buffer itself, so the next local steps can run
+        while the pushes are in flight (Overlap SGP).
+        """
         phase = self.topology.phase(self.iteration)
         out_peers, in_peers = phase.out_peers[self.node], phase.in_peers(self.node)
         shares = phase.out_weights[self.node]
@@ -129,10 +143,12 @@ class PushSumMixer:
         if phase.uniform_out(self.node):  # own share == every peer's share: one message
             shard *= weight * keep
             slot *= keep
-            sends = [(peer, self._encode(shard, slot[0], self._message)) for peer in out_peers]
+            plain = self._snapshot(shard, slot) if detach and out_peers else self._message
+            message = self._encode(shard, slot[0], plain)
+            sends = [(peer, message) for peer in out_peers]
         else:
             shard *= weight
-            x = np.concatenate([shard, slot]) if self.track_weight else shard.copy()
+            x = self._snapshot(shard, slot)
             sends = [(peer, self._encode(x[:self.width] * share, slot[0] * share, x * share))
                      for peer, share in zip(out_peers, shares)]
             shard *= keep
@@ -141,7 +157,14 @@ class PushSumMixer:
         pending = self.transport.start(self.iteration, sends,
                                        [(peer, received[t]) for t, peer in enumerate(in_peers)])
         pending.received = received
+        if self.audit is not None:
+            for _, message in sends:
+                self.audit.sent += self._mass(message)
         return pending
+
+    def _snapshot(self, shard: np.ndarray, slot: np.ndarray) -> np.ndarray:
+        """A contiguous copy of what a push carries (the shard, and the weight if tracked)."""
+        return np.concatenate([shard, slot]) if self.track_weight else shard.copy()
 
     def _encode(self, values: np.ndarray, weight: float, plain):
         if self.codec is None:
@@ -153,13 +176,19 @@ class PushSumMixer:
     def finish(self, pending: Pending) -> None:
         """Wait for this iteration's messages, sum them in and de-bias."""
         self.transport.wait(pending)
-        self.accumulate(pending.received, pending.sources())
+        self.add(pending.received, pending.sources())
         self.iteration += 1
+        self.settle()
+
+    def settle(self) -> None:
+        """De-bias the shard and gather the node's shards back into the whole buffer."""
+        if self.track_weight:
+            self.buffer[self.start:self.stop] /= self.buffer[self.n]
         if self.local is not None:
             self.local.Allgatherv(MPI.IN_PLACE, self._gather)
 
-    def accumulate(self, received: np.ndarray, sources: list[int]) -> None:
-        """Add received messages (one row each) into the shard and weight, then de-bias."""
+    def add(self, received: np.ndarray, sources: list[int]) -> None:
+        """Add received messages (one row each) into the re-biased shard and the weight."""
         shard = self.buffer[self.start:self.stop]
         weights = []
         for row in received:
@@ -170,10 +199,21 @@ class PushSumMixer:
                 values, weight = unpack(self.codec, row)
                 shard += values
                 weights.append(weight)
+            if self.audit is not None:
+                self.audit.received += self._mass(row)
         if self.track_weight:
             self._check_weights(weights, sources)
             self.buffer[self.n] += sum(weights)
-            shard /= self.buffer[self.n]
+
+    def _mass(self, message) -> np.ndarray:
+        """(sum of numerators, weight) carried by one message, for the audit."""
+        if isinstance(message, list):  # [buffer, 1, indexed datatype]: the live shard + slot
+            message = self._snapshot(self.buffer[self.start:self.stop], self.buffer[self.n:])
+        if self.codec is not None:
+            values, weight = unpack(self.codec, message)
+            return np.array([values.sum(dtype=np.float64), weight])
+        weight = message[self.width] if self.track_weight else 0.0
+        return np.array([message[:self.width].sum(dtype=np.float64), weight], dtype=np.float64)
 
     def _check_weights(self, weights, sources) -> None:
         for w, peer in zip(weights, sources):

@@ -12,13 +12,8 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-import mpi4py
-
-mpi4py.rc.thread_level = "multiple"
-mpi4py.rc.finalize = True
-from mpi4py import MPI  # noqa: E402  (rc must be set before this import)
-
-from hvd_sgp.common.errors import NotInitializedError, SgpValueError  # noqa: E402
+from hvd_sgp.common.errors import NotInitializedError, SgpValueError
+from hvd_sgp.common.mpi import MPI
 
 
 @dataclass(frozen=True)
@@ -89,6 +84,8 @@ def init(comm: Optional[MPI.Comm] = None) -> None:
     global _state
     if _state is not None:
         return
+    if not MPI.Is_initialized():
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)
     base = MPI.COMM_WORLD if comm is None else comm
     world = base.Dup()
     local = _local_split(world)

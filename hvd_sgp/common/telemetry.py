@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
-from mpi4py import MPI
+from hvd_sgp.common.mpi import MPI
 
 
 def consensus(params: np.ndarray, comm: MPI.Comm) -> dict:

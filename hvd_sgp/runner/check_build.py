@@ -69,7 +69,7 @@ def run_probe(name: str) -> dict:
 
 
 def gather() -> dict[str, dict]:
-    """Every probe's facts, each from its own subprocess; a failed probe gives ``{"error": ...}``."""
+    """Every probe's facts, each from its own subprocess; a failed one gives ``{"error": ...}``."""
     running = {
         name: subprocess.Popen(
             [sys.executable, "-m", "hvd_sgp.runner.check_build", "--probe", name],
@@ -131,7 +131,8 @@ def report() -> str:
     mpi, torch, tf = facts["mpi"], facts["torch"], facts["tensorflow"]
     lines = [f"hvd_sgp {__version__}", "", "MPI:"]
     if mpi.get("missing") or "error" in mpi:
-        lines.append(f"    [ ] MPI ({'mpi4py not installed' if mpi.get('missing') else mpi['error']})")
+        why = "mpi4py not installed" if mpi.get("missing") else mpi["error"]
+        lines.append(f"    [ ] MPI ({why})")
     else:
         lines += [
             f"    [X] MPI: {mpi['library']}",

@@ -24,11 +24,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence, TypeVar
 
+from hvd_sgp.common.topology import TOPOLOGIES  # importing the core does not start MPI
 from hvd_sgp.version import __version__
-
-# The names hvd_sgp.common.topology.TOPOLOGIES accepts. Repeated here because importing the core
-# would start MPI inside the launcher; tests/test_runner.py keeps the two lists equal.
-TOPOLOGIES = ("bipartite", "complete", "exponential", "random", "ring")
 
 FORWARD_PREFIXES = ("HVD_SGP_", "HOROVOD_", "NCCL_")
 FORWARD_NAMES = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH")
@@ -167,10 +164,11 @@ def make_parser() -> argparse.ArgumentParser:
                        help="file of 'host slots=N' or 'host:N' lines")
     parser.add_argument("-p", "--ssh-port", type=_checked(_count(1)), help="ssh port on all hosts")
     parser.add_argument("--mpi-args", default="",
-                        help="extra arguments for the launcher, one quoted string")
+                        help="extra launcher arguments, one string: --mpi-args=\"--mca pml ucx\"")
     parser.add_argument("--network-interface", "--network-interfaces", dest="nic",
                         help="network interface(s) for MPI and NCCL, e.g. eth0")
-    parser.add_argument("--timeline-filename", help="write a Chrome-trace timeline here")
+    parser.add_argument("--timeline-filename",
+                        help="write a Chrome-trace timeline here (HVD_SGP_TIMELINE)")
     parser.add_argument("--output-filename",
                         help="per-rank stdout/stderr files are named from this prefix")
     parser.add_argument("--start-timeout", type=_checked(_seconds),
@@ -183,12 +181,13 @@ def make_parser() -> argparse.ArgumentParser:
                         help="show which MPI, frameworks and GPU features are available, and exit")
 
     sgp = parser.add_argument_group("SGP")
-    sgp.add_argument("--topology", type=str.lower, choices=TOPOLOGIES,
+    sgp.add_argument("--topology", type=str.lower, choices=sorted(TOPOLOGIES),
                      help="gossip graph (HVD_SGP_TOPOLOGY)")
-    sgp.add_argument("--peers", type=_checked(_count(1)), help="peers per iteration (HVD_SGP_PEERS)")
+    sgp.add_argument("--peers", type=_checked(_count(1)),
+                     help="peers per iteration (HVD_SGP_PEERS)")
     sgp.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                      help="overlap gossip with computation (HVD_SGP_OVERLAP=1/0)")
-    sgp.add_argument("--max-delay", type=_checked(_count(0)),
+    sgp.add_argument("--max-delay", type=_checked(_count(1)),
                      help="iterations a message may lag with --overlap (HVD_SGP_MAX_DELAY)")
     sgp.add_argument("--schedule", help="warm-up and peer schedule (HVD_SGP_SCHEDULE)")
     sgp.add_argument("--timeout", type=_checked(_seconds),
@@ -237,8 +236,8 @@ def validate(args: argparse.Namespace,
         return
     slots = sum(host.slots for host in hosts)
     if args.np > slots:
-        listed = ",".join(f"{host.name}:{host.slots}" for host in hosts)
-        raise LaunchError(f"-np {args.np} is more than the {slots} slots of the hosts ({listed})")
+        raise LaunchError(f"-np {args.np} is more than the {slots} slots of the hosts "
+                          f"({_host_list(hosts)})")
     for host in hosts:
         if is_local(host.name):
             continue
@@ -261,19 +260,23 @@ def mpi_flavour(version_text: str) -> tuple[str, int]:
 
 
 def physical_cores() -> int:
-    """Cores as Open MPI counts slots: one per core, not per hardware thread."""
+    """Cores this process may use, counted as Open MPI counts slots: per core, not per thread."""
+    allowed = os.sched_getaffinity(0)
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as handle:
             blocks = handle.read().split("\n\n")
     except OSError:
-        return os.cpu_count() or 1
+        return len(allowed)
     cores = set()
     for block in blocks:
-        fields = dict(line.split(":", 1) for line in block.splitlines() if ":" in line)
-        fields = {key.strip(): value.strip() for key, value in fields.items()}
-        if "core id" in fields:
+        fields = {}
+        for line in block.splitlines():
+            key, sep, value = line.partition(":")
+            if sep:
+                fields[key.strip()] = value.strip()
+        if "core id" in fields and int(fields.get("processor", -1)) in allowed:
             cores.add((fields.get("physical id"), fields["core id"]))
-    return len(cores) or os.cpu_count() or 1
+    return len(cores) or len(allowed)
 
 
 def embedded_mpirun() -> Optional[str]:
@@ -332,7 +335,7 @@ def sgp_environment(args: argparse.Namespace) -> dict[str, str]:
 
 
 def job_environment(args: argparse.Namespace, env: Mapping[str, str], site: Site) -> dict[str, str]:
-    """The launcher's environment: ``env`` plus the SGP choices, the NIC for NCCL, root's consent."""
+    """The launcher's environment: ``env``, the SGP choices, the NIC for NCCL, root's consent."""
     job = dict(env)
     job.update(sgp_environment(args))
     if args.nic:

@@ -18,7 +18,8 @@ from hvd_sgp.common.engine import GossipEngine
 from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.torch.compression import Compression
 from hvd_sgp.torch.flat import group_parameters
-from hvd_sgp.torch.mpi_ops import Adasum, Average, Sum, _check_process_set, global_process_set
+from hvd_sgp.torch.mpi_ops import (Adasum, Average, Sum, _check_process_set, allreduce,
+                                    global_process_set)
 from hvd_sgp.torch import node_nccl
 
 
@@ -64,7 +65,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Average gradients exactly within the node (across the world in mode='allreduce')."""
         for group in self._groups:
             group.check_views()
-        world_average = self._engine.options.mode == "allreduce"
+        previous = self._engine.stage
+        world_average = self._engine.mode == "allreduce"
+        if world_average and previous is not None and previous.mode != "allreduce":
+            self._average_state()
         if world_average or runtime.local_size() > 1:
             for group in self._groups:
                 if group.device.type == "cuda" and not world_average and node_nccl.usable():
@@ -80,6 +84,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     p.grad.mul_(runtime.size())
         self._passes.clear()
         self._synchronized = True
+
+    def _average_state(self) -> None:
+        """Entering AllReduce SGD (the engine already averaged the parameters): average the
+        optimizer's floating-point state too, so every rank takes the same steps from here."""
+        for state in self.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    state[key] = allreduce(value).to(value.dtype)
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -104,12 +116,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self.synchronize()
         self._synchronized = False
         loss = super(self.__class__, self).step(closure)
+        with self._on_host():
+            self._engine.communicate()
+        return loss
+
+    @contextlib.contextmanager
+    def _on_host(self):
+        """The engine works on host buffers: stage CUDA parameters out and back."""
         for group in self._groups:
             group.to_host()
-        self._engine.communicate()
+        yield
         for group in self._groups:
             group.from_host()
-        return loss
 
     def _all_params(self):
         return [p for group in self._groups for p in group.params]
@@ -117,15 +135,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # --- SGP extras ---------------------------------------------------------------------
     def synchronize_gossip(self) -> None:
         """Drain messages in flight (overlap mode) so evaluation and checkpoints see them."""
-        self._engine.drain()
+        with self._on_host():
+            self._engine.drain()
 
     def average_parameters(self) -> None:
         """Exact consensus: every rank gets the network average (for evaluation or saving)."""
-        for group in self._groups:
-            group.to_host()
-        self._engine.average_parameters()
-        for group in self._groups:
-            group.from_host()
+        with self._on_host():
+            self._engine.average_parameters()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Tell the schedule which epoch runs (epoch-based stages switch on it)."""
+        self._engine.set_epoch(epoch)
 
     def metrics(self) -> dict:
         """Per-rank PushSum weight, seconds waited on peers, bytes sent (no communication)."""
@@ -133,7 +153,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self):
         state = super(self.__class__, self).state_dict()
-        state["hvd_sgp"] = self._engine.state()
+        with self._on_host():
+            state["hvd_sgp"] = self._engine.state()
         return state
 
     def load_state_dict(self, state_dict) -> None:
@@ -141,11 +162,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         sgp_state = state_dict.pop("hvd_sgp", None)
         super(self.__class__, self).load_state_dict(state_dict)
         if sgp_state is not None:
-            for group in self._groups:
-                group.to_host()
-            self._engine.load_state(sgp_state)
-            for group in self._groups:
-                group.from_host()
+            with self._on_host():
+                self._engine.load_state(sgp_state)
 
 
 def _check_named_parameters(named_parameters, all_params) -> dict:
