@@ -14,7 +14,6 @@ from hvd_sgp.common.topology import CustomGraph, RandomGraph, make_topology
 from hvd_sgp.common.transport import PeerTransport
 
 init()
-runtime.abort_on_uncaught_errors()
 comm = runtime.world_comm()
 n, me = comm.Get_size(), comm.Get_rank()
 transport = PeerTransport(comm)

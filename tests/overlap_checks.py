@@ -14,7 +14,6 @@ from hvd_sgp.common.pushsum import Audit
 from hvd_sgp.common.transport import PeerTransport, Progress
 
 init()
-runtime.abort_on_uncaught_errors()
 comm = runtime.world_comm()
 n, me = comm.Get_size(), comm.Get_rank()
 steps, delays = int(sys.argv[1]), [int(t) for t in sys.argv[2].split(",")]

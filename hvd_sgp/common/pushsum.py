@@ -191,14 +191,18 @@ class PushSumMixer:
         """Add received messages (one row each) into the re-biased shard and the weight."""
         shard = self.buffer[self.start:self.stop]
         weights = []
-        for row in received:
+        for row, source in zip(received, sources):
             if self.codec is None:
-                shard += row[:self.width]
+                values = row[:self.width]
                 weights.append(row[self.width] if self.track_weight else 1.0)
             else:
                 values, weight = unpack(self.codec, row)
-                shard += values
                 weights.append(weight)
+            if not math.isfinite(float(values.sum())):
+                raise SgpError(f"received NaN or infinite parameters from rank "
+                               f"{self.transport.world_ranks[source]} at iteration "
+                               f"{self.iteration}: that rank diverged")
+            shard += values
             if self.audit is not None:
                 self.audit.received += self._mass(row)
         if self.track_weight:
@@ -218,7 +222,8 @@ class PushSumMixer:
     def _check_weights(self, weights, sources) -> None:
         for w, peer in zip(weights, sources):
             if not math.isfinite(float(w)) or w <= 0:
-                raise SgpError(f"received PushSum weight {float(w)!r} from rank {peer} at "
+                raise SgpError(f"received PushSum weight {float(w)!r} from rank "
+                               f"{self.transport.world_ranks[peer]} at "
                                f"iteration {self.iteration}: the sender diverged (NaN/inf)")
         own = float(self.buffer[self.n])
         if not math.isfinite(own) or own <= 0:

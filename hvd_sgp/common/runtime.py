@@ -92,6 +92,7 @@ def init(comm: Optional[MPI.Comm] = None) -> None:
     cross = world.Split(local.Get_rank(), key=world.Get_rank())
     _state = _State(world, local, cross, MPI.Query_thread())
     _check_uniform_nodes()
+    _abort_on_uncaught_errors()
 
 
 def _check_uniform_nodes() -> None:
@@ -197,14 +198,18 @@ def cuda_aware_mpi() -> bool:
     return "mpi_built_with_cuda_support:value:true" in out
 
 
-def abort_on_uncaught_errors() -> None:
-    """Make an exception escaping one rank end the whole job instead of hanging its peers."""
+def _abort_on_uncaught_errors() -> None:
+    """An exception escaping one rank ends the whole job (MPI_Abort) instead of leaving its
+    peers blocked forever and the rank itself stuck in MPI_Finalize at exit."""
     previous = sys.excepthook
+    if getattr(previous, "hvd_sgp_abort", False):
+        return
 
     def hook(kind, value, tb):
         previous(kind, value, tb)
         sys.stderr.flush()
-        if _state is not None and _state.world.Get_size() > 1:
+        if not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
             MPI.COMM_WORLD.Abort(1)
 
+    hook.hvd_sgp_abort = True
     sys.excepthook = hook

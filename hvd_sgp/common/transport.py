@@ -6,15 +6,16 @@ PeerTimeoutError naming that peer and the iteration instead of a hang.
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from hvd_sgp.common.mpi import MPI
 
 from hvd_sgp.common import options
-from hvd_sgp.common.errors import PeerTimeoutError
+from hvd_sgp.common.errors import PeerTimeoutError, on_rank
 
 _TAG_SPACE = 32767  # the MPI standard guarantees tags up to this
 
@@ -27,6 +28,10 @@ class TransportStats:
     messages_sent: int = 0
     wait_seconds: float = 0.0
     last_wait_seconds: float = 0.0
+
+    def record_wait(self, seconds: float) -> None:
+        self.wait_seconds += seconds
+        self.last_wait_seconds = seconds
 
 
 @dataclass
@@ -46,6 +51,36 @@ class Pending:
         return [peer for peer, kind in zip(self.peers, self.kinds) if kind == "receive"]
 
 
+class Deadline:
+    """The waiting policy shared by every blocking wait on peers: a stall warning naming the
+    late peers after STALL_FRACTION of the timeout (like Horovod's stall check), then a
+    PeerTimeoutError naming them and the iteration."""
+
+    STALL_FRACTION = 0.2
+
+    def __init__(self, transport: "PeerTransport", pending: "Pending", began: float):
+        self.transport = transport
+        self.pending = pending
+        self.began = began
+        self.warned = False
+
+    def check(self, late: Callable[[], Sequence[bool]]) -> None:
+        waited = time.monotonic() - self.began
+        timeout = self.transport.timeout
+        if waited > timeout:
+            who = self.transport.describe(self.pending, late())
+            raise PeerTimeoutError(
+                f"waited {timeout:.0f} s at iteration {self.pending.iteration} for {who} "
+                "(dead or frozen peer, or ranks running different steps); raise "
+                "HVD_SGP_TIMEOUT if this is a slow start")
+        if not self.warned and waited > self.STALL_FRACTION * timeout:
+            self.warned = True
+            who = self.transport.describe(self.pending, late())
+            print(on_rank(f"stalled {waited:.0f} s at iteration {self.pending.iteration} "
+                          f"waiting for {who}; the job fails after {timeout:.0f} s"),
+                  file=sys.stderr, flush=True)
+
+
 def tag_of(iteration: int) -> int:
     return iteration % _TAG_SPACE
 
@@ -59,6 +94,8 @@ class PeerTransport:
         self.size = self.comm.Get_size()
         self.timeout = options.resolve().timeout if timeout is None else timeout
         self.stats = TransportStats()
+        # errors name peers by world rank, whatever communicator (cross-node) carries them
+        self.world_ranks = self.comm.allgather(MPI.COMM_WORLD.Get_rank())
 
     def start(self, iteration: int, sends: Sequence[tuple[int, Any]],
               receives: Sequence[tuple[int, Any]]) -> Pending:
@@ -79,32 +116,23 @@ class PeerTransport:
             self.stats.messages_sent += 1
         return pending
 
-    def done(self, pending: Pending) -> bool:
-        """Progress the requests without blocking; True when all have completed."""
-        return bool(MPI.Request.Testall(pending.requests))
-
     def wait(self, pending: Pending) -> None:
         """Block until every request completes, or raise PeerTimeoutError past the deadline."""
         began = time.monotonic()
         if not MPI.Request.Testall(pending.requests):
-            deadline = began + self.timeout
+            deadline = Deadline(self, pending, began)
             pause = 2e-6
             while not MPI.Request.Testall(pending.requests):
-                if time.monotonic() > deadline:
-                    raise PeerTimeoutError(self._late(pending))
+                deadline.check(lambda: [not req.Test() for req in pending.requests])
                 time.sleep(pause)
                 pause = min(pause * 2, 5e-4)
-        waited = time.monotonic() - began
-        self.stats.wait_seconds += waited
-        self.stats.last_wait_seconds = waited
+        self.stats.record_wait(time.monotonic() - began)
 
-    def _late(self, pending: Pending) -> str:
-        late = [f"{kind} with rank {peer}"
-                for req, peer, kind in zip(pending.requests, pending.peers, pending.kinds)
-                if req != MPI.REQUEST_NULL and not req.Test()]
-        return (f"waited {self.timeout:.0f} s at iteration {pending.iteration} for "
-                f"{', '.join(late) or 'peers'} (dead or frozen peer, or ranks running different "
-                "steps); raise HVD_SGP_TIMEOUT if this is a slow start")
+    def describe(self, pending: Pending, late: Sequence[bool]) -> str:
+        """Who has not delivered yet, by world rank."""
+        names = [f"{kind} with rank {self.world_ranks[peer]}"
+                 for is_late, peer, kind in zip(late, pending.peers, pending.kinds) if is_late]
+        return ", ".join(names) or "peers"
 
     def free(self) -> None:
         if not MPI.Is_finalized():
@@ -169,20 +197,12 @@ class Progress:
 
     def _wait(self, pending: Pending, ready) -> None:
         began = time.monotonic()
-        deadline = began + self.transport.timeout
+        deadline = Deadline(self.transport, pending, began)
         with self._cond:
             while not ready(pending):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    late = [f"{kind} with rank {peer}" for done, peer, kind
-                            in zip(pending.complete, pending.peers, pending.kinds) if not done]
-                    raise PeerTimeoutError(
-                        f"waited {self.transport.timeout:.0f} s at iteration {pending.iteration} "
-                        f"for {', '.join(late)} (dead or frozen peer)")
-                self._cond.wait(min(left, 0.5))
-        waited = time.monotonic() - began
-        self.transport.stats.wait_seconds += waited
-        self.transport.stats.last_wait_seconds = waited
+                deadline.check(lambda: [not done for done in pending.complete])
+                self._cond.wait(0.5)
+        self.transport.stats.record_wait(time.monotonic() - began)
 
     def close(self) -> None:
         with self._cond:
