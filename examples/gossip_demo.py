@@ -29,7 +29,7 @@ def main() -> None:
         c = consensus(buffer[:-1], world_comm())
         if rank() == 0:
             print(f"step {step:3d}  consensus distance {c['distance']:.3e}  "
-                  f"max deviation {c['max_deviation']:.3e}", flush=True)
+                  f"rank 0 deviation {c['deviation']:.3e}", flush=True)
         mixer.mix()
 
 

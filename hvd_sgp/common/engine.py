@@ -9,13 +9,14 @@ switches between stages at epoch or step boundaries, keeping ranks consistent.
 """
 from __future__ import annotations
 
+import atexit
 import sys
 from typing import Sequence
 
 import numpy as np
 from hvd_sgp.common.mpi import MPI
 
-from hvd_sgp.common import runtime, schedule
+from hvd_sgp.common import runtime, schedule, telemetry
 from hvd_sgp.common.compression import CODECS
 from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.common.options import SgpOptions
@@ -44,7 +45,17 @@ class GossipEngine:
             raise SgpValueError("Overlap SGP needs MPI_THREAD_MULTIPLE, which this MPI did not "
                                 "grant; use an MPI built with thread support or overlap=False")
         self.transport = PeerTransport(self.cross, options.timeout)
+        path = telemetry.timeline_path()
+        self.timeline = (telemetry.Timeline(path, self.world.Get_rank(), self.world.Get_size())
+                         if path else None)
+        if self.timeline is not None:
+            atexit.register(self.timeline.finish)
+        self.transport.timeline = self.timeline
+        self.metrics_log = (telemetry.MetricsLog(options.metrics, options.metrics_every,
+                                                 self.world, describe_run(options))
+                            if options.metrics else None)
         self.progress = None
+        self.elastic = telemetry.ElasticConsistency()
         self.epoch = 0
         self.steps = 0
         self.stage = None
@@ -111,10 +122,21 @@ class GossipEngine:
         else:
             average_in_node(grads, self.local)
 
-    def communicate(self) -> None:
-        """The exchange that follows each local step."""
+    def communicate(self, lr: float = 0.0) -> None:
+        """The exchange that follows each local step (``lr``: for the consensus metrics)."""
         mode = self.mode
         self.steps += 1
+        if self.timeline is not None:
+            self.timeline.step_boundary(self.steps)
+            with self.timeline.span("send/receive", step=self.steps, mode=mode):
+                self._exchange(mode)
+            self.timeline.resume_compute()
+        else:
+            self._exchange(mode)
+        if self.metrics_log is not None:
+            self.metrics_log.record(self.steps, self.parameters(), float(self.buffers[0][-1]), lr)
+
+    def _exchange(self, mode: str) -> None:
         if mode == "allreduce":
             return
         if self.stage.overlap:
@@ -124,6 +146,20 @@ class GossipEngine:
         pending = [mixer.begin() for mixer in self.mixers]
         for mixer, p in zip(self.mixers, pending):
             mixer.finish(p)
+
+    def parameters(self) -> np.ndarray:
+        """All de-biased parameters as one vector (a view when there is one dtype)."""
+        if len(self.buffers) == 1:
+            return self.buffers[0][:-1]
+        return np.concatenate([b[:-1].astype(np.float64) for b in self.buffers])
+
+    def consensus(self, lr: float = 0.0) -> dict:
+        """On request, one allreduce: this rank's deviation from the network mean, the
+        consensus distance and the elastic-consistency estimate (max deviation / lr)."""
+        self.drain()
+        result = telemetry.consensus(self.parameters(), self.world)
+        result["elastic"] = self.elastic.update(result["deviation"], lr)
+        return result
 
     def drain(self) -> None:
         """Complete every exchange in flight (only Overlap SGP leaves any between steps)."""
@@ -174,9 +210,18 @@ class GossipEngine:
 
     def close(self) -> None:
         self.drain()
+        if self.timeline is not None:
+            self.timeline.close()
         if self.progress is not None:
             self.progress.close()
         self.transport.free()
+
+
+def describe_run(options: SgpOptions) -> str:
+    """A short label for logs and plots, e.g. 'sgp exponential peers=1'."""
+    topology = options.topology if isinstance(options.topology, str) else repr(options.topology)
+    label = options.schedule or f"{options.mode} {topology} peers={options.peers}"
+    return label + (f" overlap tau={options.max_delay}" if options.overlap else "")
 
 
 def check_consistent(comm: MPI.Comm, signature: list, opts: tuple) -> None:

@@ -23,18 +23,21 @@ class SgpOptions:
     max_delay: int = 1
     schedule: Optional[str] = None
     timeout: float = 300.0
+    metrics: Optional[str] = None
+    metrics_every: int = 10
 
     def describe(self) -> tuple:
         """What every rank must agree on (compared across ranks at the first step)."""
         topo = self.topology if isinstance(self.topology, str) else repr(self.topology)
         return (topo, self.peers, self.push_sum, self.mode, self.overlap, self.max_delay,
-                self.schedule)
+                repr(self.schedule), self.metrics is not None, self.metrics_every)
 
 
 _ENV = {
     "topology": "HVD_SGP_TOPOLOGY", "peers": "HVD_SGP_PEERS", "push_sum": "HVD_SGP_PUSH_SUM",
     "mode": "HVD_SGP_MODE", "overlap": "HVD_SGP_OVERLAP", "max_delay": "HVD_SGP_MAX_DELAY",
     "schedule": "HVD_SGP_SCHEDULE", "timeout": "HVD_SGP_TIMEOUT",
+    "metrics": "HVD_SGP_METRICS", "metrics_every": "HVD_SGP_METRICS_EVERY",
 }
 
 
@@ -84,7 +87,7 @@ def resolve(**given: Any) -> SgpOptions:
 def _coerce(name: str, source: str, value: Any) -> Any:
     if name in ("push_sum", "overlap"):
         return value if isinstance(value, bool) else _parse_bool(source, str(value))
-    if name in ("peers", "max_delay"):
+    if name in ("peers", "max_delay", "metrics_every"):
         return _parse_number(source, value, int, 1)
     if name == "timeout":
         return _parse_number(source, value, float, 1e-3)

@@ -137,8 +137,9 @@ class PushSumMixer:
         out_peers, in_peers = phase.out_peers[self.node], phase.in_peers(self.node)
         shares = phase.out_weights[self.node]
         shard = self.buffer[self.start:self.stop]
-        slot = self.buffer[self.n:]
-        weight = float(slot[0]) if self.track_weight else 1.0
+        # an untracked weight stays 1 in the buffer; the share arithmetic runs on a scratch copy
+        slot = self.buffer[self.n:] if self.track_weight else np.ones(1, self.buffer.dtype)
+        weight = float(slot[0])
         keep = phase.self_weights[self.node]
         if phase.uniform_out(self.node):  # own share == every peer's share: one message
             shard *= weight * keep

@@ -1,27 +1,181 @@
-"""Consensus measures across nodes: how far each rank's parameters are from the network mean."""
+"""What the gossip is doing: consensus measures, a metrics log and a Chrome-trace timeline.
+
+Cheap figures (weight, seconds waited, bytes sent) are counters kept by the transport. The
+consensus measures cost one allreduce and run only when asked for (or every N steps with
+``HVD_SGP_METRICS``). The timeline (``HVD_SGP_TIMELINE`` or ``HOROVOD_TIMELINE``) records each
+rank's compute, send/receive and wait spans; each rank writes its own file while it runs and
+rank 0 merges them into the named file at shutdown, one row per rank (open it in Perfetto).
+"""
 from __future__ import annotations
 
+import glob
+import json
+import os
+import threading
+import time
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
 import numpy as np
+
 from hvd_sgp.common.mpi import MPI
 
 
 def consensus(params: np.ndarray, comm: MPI.Comm) -> dict:
-    """One allreduce: this rank's deviation ||z_i - mean||, and the network's mean and max.
-
-    ``distance`` is the consensus distance sqrt(mean_i ||z_i - mean||^2).
-    """
+    """One allreduce of [z_i, ||z_i||^2]: the network mean, this rank's deviation
+    ||z_i - mean||, and the consensus distance sqrt(mean_i ||z_i - mean||^2)."""
     values = np.asarray(params, dtype=np.float64).ravel()
-    mean = np.empty_like(values)
-    comm.Allreduce(values, mean, op=MPI.SUM)
-    mean /= comm.Get_size()
+    packed = np.empty(values.size + 1)
+    packed[:-1] = values
+    packed[-1] = values @ values
+    comm.Allreduce(MPI.IN_PLACE, packed, op=MPI.SUM)
+    n = comm.Get_size()
+    mean = packed[:-1] / n
     deviation = float(np.linalg.norm(values - mean))
-    squares = comm.allreduce(deviation**2, op=MPI.SUM)
-    worst = comm.allreduce(deviation, op=MPI.MAX)
     norm = float(np.linalg.norm(mean))
     return {
         "deviation": deviation,
         "relative_deviation": deviation / norm if norm > 0 else deviation,
-        "distance": float(np.sqrt(squares / comm.Get_size())),
-        "max_deviation": worst,
+        "distance": float(np.sqrt(max(packed[-1] / n - mean @ mean, 0.0))),
         "mean_norm": norm,
     }
+
+
+class ElasticConsistency:
+    """The elastic-consistency estimate of a run: the largest deviation seen divided by the
+    learning rate (how far a node's view may drift from the network average, per unit step)."""
+
+    def __init__(self) -> None:
+        self.bound = 0.0
+
+    def update(self, deviation: float, lr: float) -> float:
+        if lr > 0:
+            self.bound = max(self.bound, deviation / lr)
+        return self.bound
+
+
+class MetricsLog:
+    """Every ``every`` steps: consensus measures of every rank, appended by rank 0 to a JSON
+    lines file (``python -m hvd_sgp.plot`` draws them)."""
+
+    def __init__(self, path: str, every: int, comm: MPI.Comm, label: str):
+        self.path, self.every, self.comm, self.label = path, every, comm, label
+        self.elastic = ElasticConsistency()
+
+    def record(self, step: int, params: np.ndarray, weight: float, lr: float) -> Optional[dict]:
+        if step % self.every:
+            return None
+        c = consensus(params, self.comm)
+        c["elastic"] = self.elastic.update(c["deviation"], lr)
+        c["weight"] = weight
+        rows = self.comm.gather(c, root=0)
+        if self.comm.Get_rank() == 0:
+            entry = {"step": step, "label": self.label, "distance": c["distance"],
+                     **{k: [r[k] for r in rows] for k in ("deviation", "relative_deviation",
+                                                        "weight", "elastic")}}
+            with open(self.path, "a") as f:
+                f.write(json.dumps(entry) + "\n")
+        return c
+
+
+class Timeline:
+    """Chrome trace events of one rank, written as they happen to ``<path>.rank<r>``.
+
+    At exit every rank closes its file and rank 0 merges them into ``path`` (waiting a few
+    seconds for the others; on several hosts without a shared file system, copy the parts
+    together and run ``python -m hvd_sgp.common.telemetry PATH``)."""
+
+    def __init__(self, path: str, rank: int, size: int):
+        self.path, self.rank, self.size = path, rank, size
+        self._file = open(f"{path}.rank{rank}", "w")
+        self._file.write("[\n")
+        self._lock = threading.Lock()
+        self._compute_from: Optional[float] = None
+
+    @staticmethod
+    def _now_us() -> float:
+        return time.time() * 1e6  # wall clock: the ranks' rows line up
+
+    def event(self, name: str, start_us: float, end_us: float, **args) -> None:
+        record = {"name": name, "ph": "X", "pid": self.rank, "tid": 0, "ts": start_us,
+                  "dur": max(end_us - start_us, 0.0), "args": args}
+        with self._lock:
+            self._file.write(json.dumps(record) + ",\n")
+
+    def ended_now(self, name: str, seconds: float, **args) -> None:
+        """An event that lasted ``seconds`` and just ended (waits measured elsewhere)."""
+        now = self._now_us()
+        self.event(name, now - seconds * 1e6, now, **args)
+
+    @contextmanager
+    def span(self, name: str, **args) -> Iterator[None]:
+        start = self._now_us()
+        try:
+            yield
+        finally:
+            self.event(name, start, self._now_us(), **args)
+
+    def step_boundary(self, step: int) -> None:
+        """Close the compute span that ran since the previous exchange."""
+        now = self._now_us()
+        if self._compute_from is not None:
+            self.event("compute", self._compute_from, now, step=step)
+        self._compute_from = now
+
+    def resume_compute(self) -> None:
+        self._compute_from = self._now_us()
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._file.closed:
+                self._file.write(json.dumps({"name": "process_name", "ph": "M",
+                                             "pid": self.rank,
+                                             "args": {"name": f"rank {self.rank}"}}) + "\n]\n")
+                self._file.close()
+
+    def finish(self, patience: float = 10.0) -> None:
+        """Close; on rank 0, wait for the other ranks' files to close, then merge."""
+        self.close()
+        if self.rank != 0:
+            return
+        deadline = time.monotonic() + patience
+        parts = [f"{self.path}.rank{r}" for r in range(self.size)]
+        while time.monotonic() < deadline and not all(_closed(p) for p in parts):
+            time.sleep(0.1)
+        merge_timeline(self.path)
+
+
+def _closed(part: str) -> bool:
+    try:
+        with open(part, "rb") as f:
+            f.seek(max(os.path.getsize(part) - 3, 0))
+            return f.read().strip().endswith(b"]")
+    except OSError:
+        return False
+
+
+def merge_timeline(path: str) -> int:
+    """Merge the per-rank files ``<path>.rank*`` into one Chrome trace; returns events merged."""
+    events = []
+    for part in sorted(glob.glob(f"{glob.escape(path)}.rank*")):
+        with open(part) as f:
+            text = f.read().rstrip().rstrip(",")
+        if not text.endswith("]"):
+            text += "]"  # a rank that did not close: keep what it wrote
+        events.extend(json.loads(text))
+        os.remove(part)
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+    return len(events)
+
+
+def timeline_path() -> Optional[str]:
+    return os.environ.get("HVD_SGP_TIMELINE") or os.environ.get("HOROVOD_TIMELINE") or None
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m hvd_sgp.common.telemetry TIMELINE.json  (merges TIMELINE.json.rank*)")
+    print(f"merged {merge_timeline(sys.argv[1])} events into {sys.argv[1]}")

@@ -96,6 +96,7 @@ class PeerTransport:
         self.stats = TransportStats()
         # errors name peers by world rank, whatever communicator (cross-node) carries them
         self.world_ranks = self.comm.allgather(MPI.COMM_WORLD.Get_rank())
+        self.timeline = None  # a telemetry.Timeline records the waits when set
 
     def start(self, iteration: int, sends: Sequence[tuple[int, Any]],
               receives: Sequence[tuple[int, Any]]) -> Pending:
@@ -126,7 +127,13 @@ class PeerTransport:
                 deadline.check(lambda: [not req.Test() for req in pending.requests])
                 time.sleep(pause)
                 pause = min(pause * 2, 5e-4)
-        self.stats.record_wait(time.monotonic() - began)
+        self._record_wait(pending, began)
+
+    def _record_wait(self, pending: Pending, began: float) -> None:
+        ended = time.monotonic()
+        self.stats.record_wait(ended - began)
+        if self.timeline is not None and ended - began > 1e-5:
+            self.timeline.ended_now("wait", ended - began, iteration=pending.iteration)
 
     def describe(self, pending: Pending, late: Sequence[bool]) -> str:
         """Who has not delivered yet, by world rank."""
@@ -202,7 +209,7 @@ class Progress:
             while not ready(pending):
                 deadline.check(lambda: [not done for done in pending.complete])
                 self._cond.wait(0.5)
-        self.transport.stats.record_wait(time.monotonic() - began)
+        self.transport._record_wait(pending, began)
 
     def close(self) -> None:
         with self._cond:

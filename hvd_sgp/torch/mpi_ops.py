@@ -6,55 +6,18 @@ CUDA tensors are staged through host memory for these exact collectives (metrics
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
 from hvd_sgp.common import collectives, runtime
-from hvd_sgp.common.collectives import ReduceOp
+from hvd_sgp.common.basics import *  # noqa: F401,F403  (Horovod's flat namespace)
+from hvd_sgp.common.basics import (Average, ProcessSet, ReduceOp, check_process_set,
+                                   global_process_set, resolve_op)
+from hvd_sgp.common.basics import __all__ as _basics
 from hvd_sgp.common.errors import SgpValueError
-from hvd_sgp.common.runtime import (cross_rank, cross_size, init, is_initialized, local_rank,
-                                    local_size, mpi_threads_supported, rank, shutdown, size)
 from hvd_sgp.torch.compression import Compression
-
-Average, Sum, Adasum, Min, Max, Product = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum,
-                                           ReduceOp.Min, ReduceOp.Max, ReduceOp.Product)
-
-
-class ProcessSet:
-    """Only the global process set is offered: SGP's graph spans every rank."""
-
-    def __init__(self, ranks=None):
-        self.ranks = ranks
-
-    def __repr__(self) -> str:
-        return "ProcessSet(global)"
-
-
-global_process_set = ProcessSet()
-
-
-def _check_process_set(process_set: ProcessSet) -> None:
-    if process_set is not global_process_set:
-        raise SgpValueError("hvd_sgp offers only the global process set")
-
-
-def mpi_enabled() -> bool:
-    return True
-
-
-def mpi_built() -> bool:
-    return True
-
-
-def gloo_enabled() -> bool:
-    return False
-
-
-def gloo_built() -> bool:
-    return False
 
 
 def nccl_built() -> bool:
@@ -80,14 +43,6 @@ def to_numpy(tensor: torch.Tensor) -> np.ndarray:
 
 def from_numpy(array: np.ndarray, like: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array)).to(device=like.device, dtype=like.dtype)
-
-
-def _op(average: Optional[bool], op: Optional[ReduceOp]) -> ReduceOp:
-    if average is not None and op is not None:
-        raise SgpValueError("pass either average= (deprecated) or op=, not both")
-    if average is not None:
-        return Average if average else Sum
-    return Average if op is None else op
 
 
 # Horovod's handle table: integer handles for async collectives, finished by synchronize().
@@ -123,8 +78,8 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
                     op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set) -> int:
-    _check_process_set(process_set)
-    work = collectives.allreduce_async(to_numpy(tensor), _op(average, op), prescale_factor,
+    check_process_set(process_set)
+    work = collectives.allreduce_async(to_numpy(tensor), resolve_op(average, op), prescale_factor,
                                        postscale_factor)
     return _register(work, lambda result: from_numpy(result, tensor))
 
@@ -144,8 +99,8 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None,
                      name: Optional[str] = None, op: Optional[ReduceOp] = None,
                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> int:
-    _check_process_set(process_set)
-    work = collectives.allreduce_async(to_numpy(tensor), _op(average, op), prescale_factor,
+    check_process_set(process_set)
+    work = collectives.allreduce_async(to_numpy(tensor), resolve_op(average, op), prescale_factor,
                                        postscale_factor)
     return _register(work, lambda result: tensor.copy_(from_numpy(result, tensor)))
 
@@ -172,7 +127,7 @@ def grouped_allreduce(tensors, average: Optional[bool] = None, name: Optional[st
 
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> int:
-    _check_process_set(process_set)
+    check_process_set(process_set)
     work = collectives.allgather_async(to_numpy(tensor))
     return _register(work, lambda result: from_numpy(result, tensor))
 
@@ -185,7 +140,7 @@ def allgather(tensor: torch.Tensor, name: Optional[str] = None,
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> int:
-    _check_process_set(process_set)
+    check_process_set(process_set)
     work = collectives.broadcast_async(to_numpy(tensor), root_rank)
     return _register(work, lambda result: from_numpy(result, tensor))
 
@@ -197,7 +152,7 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> int:
-    _check_process_set(process_set)
+    check_process_set(process_set)
     work = collectives.broadcast_async(to_numpy(tensor), root_rank, inplace=True)
     return _register(work, lambda result: tensor.copy_(from_numpy(result, tensor)))
 
@@ -211,7 +166,7 @@ def alltoall(tensor: torch.Tensor, splits: Optional[torch.Tensor] = None,
              name: Optional[str] = None, process_set: ProcessSet = global_process_set):
     """Scatter rows of dimension 0 to ranks by ``splits``; with splits, also return the counts
     received from each rank (as horovod.torch does)."""
-    _check_process_set(process_set)
+    check_process_set(process_set)
     split_array = None if splits is None else np.asarray(
         splits.cpu().numpy() if isinstance(splits, torch.Tensor) else splits, dtype=np.int64)
     out, received = collectives.alltoall(to_numpy(tensor), split_array)
@@ -222,30 +177,20 @@ def alltoall(tensor: torch.Tensor, splits: Optional[torch.Tensor] = None,
 def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
                   compression=Compression.none, op: ReduceOp = Average,
                   process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    _check_process_set(process_set)
+    check_process_set(process_set)
     compressed, ctx = compression.compress(tensor)
     out = collectives.reducescatter(to_numpy(compressed), op)
     return compression.decompress(from_numpy(out, compressed), ctx)
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
-    _check_process_set(process_set)
+    check_process_set(process_set)
     collectives.barrier()
 
 
-def join(device: int = -1) -> int:
-    """Wait for every rank; returns the rank that arrived last."""
-    arrived = time.monotonic_ns()
-    times = collectives.allgather_object(arrived)
-    return int(np.argmax(times)) if times else rank()
-
-
-__all__ = [
-    "init", "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank",
-    "local_rank", "cross_rank", "mpi_threads_supported", "mpi_enabled", "mpi_built",
-    "gloo_enabled", "gloo_built", "nccl_built", "cuda_built", "rocm_built", "Average", "Sum",
-    "Adasum", "Min", "Max", "Product", "allreduce", "allreduce_", "allreduce_async",
+__all__ = list(_basics) + [
+    "nccl_built", "cuda_built", "rocm_built", "allreduce", "allreduce_", "allreduce_async",
     "allreduce_async_", "grouped_allreduce", "allgather", "allgather_async", "broadcast",
     "broadcast_", "broadcast_async", "broadcast_async_", "alltoall", "reducescatter", "barrier",
-    "join", "poll", "synchronize", "global_process_set", "ProcessSet", "runtime",
+    "poll", "synchronize", "runtime",
 ]

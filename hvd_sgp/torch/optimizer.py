@@ -18,7 +18,7 @@ from hvd_sgp.common.engine import GossipEngine
 from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.torch.compression import Compression
 from hvd_sgp.torch.flat import group_parameters
-from hvd_sgp.torch.mpi_ops import (Adasum, Average, Sum, _check_process_set, allreduce,
+from hvd_sgp.torch.mpi_ops import (Adasum, Average, Sum, allreduce, check_process_set,
                                     global_process_set)
 from hvd_sgp.torch import node_nccl
 
@@ -117,7 +117,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         loss = super(self.__class__, self).step(closure)
         with self._on_host():
-            self._engine.communicate()
+            self._engine.communicate(self.param_groups[0]["lr"])
         return loss
 
     @contextlib.contextmanager
@@ -150,6 +150,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def metrics(self) -> dict:
         """Per-rank PushSum weight, seconds waited on peers, bytes sent (no communication)."""
         return self._engine.metrics()
+
+    def consensus_metrics(self) -> dict:
+        """One allreduce: this rank's deviation from the network mean, the consensus distance
+        and the elastic-consistency estimate (largest deviation seen / learning rate)."""
+        with self._on_host():
+            return self._engine.consensus(self.param_groups[0]["lr"])
 
     def state_dict(self):
         state = super(self.__class__, self).state_dict()
@@ -204,7 +210,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     """
     if not runtime.is_initialized():
         raise SgpValueError("hvd_sgp has not been initialized; call hvd.init() first.")
-    _check_process_set(process_set)
+    check_process_set(process_set)
     if op == Adasum:
         raise SgpValueError("op=Adasum is not offered by hvd_sgp: SGP replaces the gradient "
                             "allreduce; use op=Average")

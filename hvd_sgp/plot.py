@@ -1,0 +1,63 @@
+"""Plot parameter deviation over steps, per rank and per run, from HVD_SGP_METRICS logs
+(as the SGP paper's parameter-deviation figure).
+
+    python -m hvd_sgp.plot run_exponential.jsonl run_ring.jsonl -o deviation.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+
+def load(paths: list[str]) -> dict[str, list[dict]]:
+    """Records grouped by run label, in step order."""
+    runs: dict[str, list[dict]] = defaultdict(list)
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    record = json.loads(line)
+                    runs[record["label"]].append(record)
+    return {label: sorted(rows, key=lambda r: r["step"]) for label, rows in runs.items()}
+
+
+def plot(runs: dict[str, list[dict]], output: str, relative: bool = True) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    key = "relative_deviation" if relative else "deviation"
+    fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 4), squeeze=False,
+                             sharey=True)
+    for ax, (label, rows) in zip(axes[0], runs.items()):
+        steps = [r["step"] for r in rows]
+        for rank in range(len(rows[0][key])):
+            ax.plot(steps, [max(r[key][rank], 1e-16) for r in rows], lw=1, label=f"rank {rank}")
+        ax.set_yscale("log")
+        ax.set_title(label)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("||x_i - mean|| / ||mean||" if relative else "||x_i - mean||")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(output, dpi=120)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("logs", nargs="+", help="JSON lines written with HVD_SGP_METRICS")
+    parser.add_argument("-o", "--output", default="deviation.png")
+    parser.add_argument("--absolute", action="store_true", help="plot ||x_i - mean||")
+    args = parser.parse_args(argv)
+    runs = load(args.logs)
+    if not runs:
+        parser.error("no records in the given logs")
+    plot(runs, args.output, relative=not args.absolute)
+    print(f"wrote {args.output}: {', '.join(runs)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""horovod.tensorflow.keras.callbacks, plus ConsensusCallback for SGP.
+
+Under SGP the ranks' models differ slightly while training; ``ConsensusCallback`` replaces them
+by their exact average where one model is wanted: before evaluation, before a checkpoint, at
+the end of training.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Union
+
+import keras
+import numpy as np
+
+from hvd_sgp.common import collectives, runtime
+from hvd_sgp.common.errors import SgpValueError
+from hvd_sgp.tensorflow.mpi_ops import broadcast_variables
+
+
+class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+    """Give every rank root's model and optimizer variables before the first step (or, if the
+    optimizer is built lazily, right after it), so all ranks start from one initialisation.
+    As every Horovod Keras script has it, it also tells an SGP optimizer the epoch, for
+    epoch-based schedules (HVD_SGP_SCHEDULE)."""
+
+    def __init__(self, root_rank: int, device: str = ""):
+        super().__init__()
+        self.root_rank = root_rank
+        self.broadcast_done = False
+
+    def _broadcast(self) -> None:
+        broadcast_variables(self.model.variables, self.root_rank)
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is not None and optimizer.built:
+            broadcast_variables(optimizer.variables, self.root_rank)
+        self.broadcast_done = True
+
+    def on_train_begin(self, logs=None) -> None:
+        optimizer = getattr(self.model, "optimizer", None)
+        if not self.broadcast_done and (optimizer is None or optimizer.built):
+            self._broadcast()
+
+    def on_epoch_begin(self, epoch, logs=None) -> None:
+        optimizer = getattr(self.model, "optimizer", None)
+        if hasattr(optimizer, "set_epoch") and optimizer.built:
+            optimizer.set_epoch(epoch)
+
+    def on_train_batch_end(self, batch, logs=None) -> None:
+        if not self.broadcast_done:
+            self._broadcast()
+
+
+class MetricAverageCallback(keras.callbacks.Callback):
+    """Average every numeric epoch log (loss, metrics, validation) exactly over all ranks.
+    Put it before callbacks that read the logs."""
+
+    def __init__(self, device: str = ""):
+        super().__init__()
+
+    def on_epoch_end(self, epoch, logs=None) -> None:
+        if not logs:
+            return
+        keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0)
+        values = np.array([float(logs[k]) for k in keys], dtype=np.float64)
+        for key, value in zip(keys, collectives.allreduce(values)):
+            logs[key] = float(value)
+
+
+class LearningRateScheduleCallback(keras.callbacks.Callback):
+    """Set lr = initial_lr * multiplier(epoch) for start_epoch <= epoch < end_epoch, per epoch
+    (staircase) or per batch with a fractional epoch.
+
+    ``momentum_correction`` is accepted and has no effect: Keras 3 compiles the momentum into
+    the train step as a constant.
+    """
+
+    def __init__(self, initial_lr: float, multiplier: Union[float, Callable[[float], float]],
+                 start_epoch: int = 0, end_epoch: Optional[int] = None, staircase: bool = True,
+                 momentum_correction: bool = True, steps_per_epoch: Optional[int] = None):
+        super().__init__()
+        self.initial_lr = initial_lr
+        self.multiplier = multiplier if callable(multiplier) else (lambda epoch: multiplier)
+        self.start_epoch = start_epoch
+        self.end_epoch = end_epoch
+        self.staircase = staircase
+        self.steps_per_epoch = steps_per_epoch
+        self.current_epoch = 0
+
+    def _active(self) -> bool:
+        return self.start_epoch <= self.current_epoch and (
+            self.end_epoch is None or self.current_epoch < self.end_epoch)
+
+    def _steps(self) -> int:
+        steps = self.steps_per_epoch or (self.params or {}).get("steps")
+        if not steps:
+            raise SgpValueError("a per-batch learning rate schedule needs steps_per_epoch "
+                                "(Keras could not tell it)")
+        return steps
+
+    def _set(self, epoch: float) -> None:
+        self.model.optimizer.learning_rate = self.initial_lr * self.multiplier(epoch)
+
+    def on_epoch_begin(self, epoch, logs=None) -> None:
+        self.current_epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None) -> None:
+        if not self._active():
+            return
+        if self.staircase:
+            if batch == 0:
+                self._set(self.current_epoch)
+        else:
+            self._set(self.current_epoch + batch / self._steps())
+
+    def on_epoch_end(self, epoch, logs=None) -> None:
+        if logs is not None:
+            logs["lr"] = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+
+
+class LearningRateWarmupCallback(LearningRateScheduleCallback):
+    """Horovod's gradual warm-up from initial_lr / size to initial_lr over warmup_epochs (the
+    large-batch recipe; ``initial_lr`` is the already-scaled rate, e.g. lr * hvd.size())."""
+
+    def __init__(self, initial_lr: float, warmup_epochs: int = 5,
+                 momentum_correction: bool = True, steps_per_epoch: Optional[int] = None,
+                 verbose: int = 0):
+        n = runtime.size()
+
+        def multiplier(epoch: float) -> float:
+            return 1.0 / n * (epoch * (n - 1) / warmup_epochs + 1)
+
+        super().__init__(initial_lr, multiplier, 0, warmup_epochs, False, momentum_correction,
+                         steps_per_epoch)
+        self.verbose = verbose
+
+    def on_epoch_end(self, epoch, logs=None) -> None:
+        super().on_epoch_end(epoch, logs)
+        if epoch == self.end_epoch - 1 and self.verbose > 0 and runtime.rank() == 0:
+            lr = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+            print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {lr:g}.")
+
+
+class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """Keep the best model by ``monitor`` in ``filepath``, written by rank 0 only. Put
+    MetricAverageCallback and ConsensusCallback(every_epochs=1) before it so the choice and the
+    model saved are the network's."""
+
+    def __init__(self, monitor: str = "val_loss", verbose: int = 0, mode: str = "auto",
+                 save_freq: Union[str, int] = "epoch", filepath: str = "best_model.keras"):
+        super().__init__(filepath=filepath, monitor=monitor, verbose=verbose,
+                         save_best_only=True, save_weights_only=False, mode=mode,
+                         save_freq=save_freq)
+
+    def _save_model(self, epoch, batch, logs) -> None:
+        if runtime.rank() == 0:
+            super()._save_model(epoch, batch, logs)
+
+
+class ConsensusCallback(keras.callbacks.Callback):
+    """Exact average of the parameters over all ranks (GossipEngine.average_parameters):
+    before each evaluation (``model.evaluate`` and fit's validation), at the end of every
+    ``every_epochs`` epochs (put it before a checkpoint callback), and at the end of training.
+    Needs a model compiled with hvd.DistributedOptimizer."""
+
+    def __init__(self, before_evaluation: bool = True, every_epochs: int = 0,
+                 at_train_end: bool = True):
+        super().__init__()
+        self.before_evaluation = before_evaluation
+        self.every_epochs = every_epochs
+        self.at_train_end = at_train_end
+
+    def _average(self) -> None:
+        optimizer = getattr(self.model, "optimizer", None)
+        if not hasattr(optimizer, "average_parameters"):
+            raise SgpValueError("ConsensusCallback needs a model compiled with "
+                                "hvd.DistributedOptimizer")
+        optimizer.average_parameters()
+
+    def on_test_begin(self, logs=None) -> None:
+        if self.before_evaluation:
+            self._average()
+
+    def on_epoch_end(self, epoch, logs=None) -> None:
+        if self.every_epochs and (epoch + 1) % self.every_epochs == 0:
+            self._average()
+
+    def on_train_end(self, logs=None) -> None:
+        if self.at_train_end:
+            self._average()

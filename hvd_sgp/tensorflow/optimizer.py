@@ -1,0 +1,182 @@
+"""DistributedOptimizer for Keras optimizers: Horovod's signature, SGP's step.
+
+``apply``/``apply_gradients`` average the gradients exactly inside the node, take the wrapped
+optimizer's ordinary local step on the de-biased variables, then run one PushSum iteration
+with the node's out-peers (engine.communicate()). It works eagerly and inside compiled
+``model.fit`` / ``tf.function`` train steps, where the exchange is one Python op in the graph.
+
+The wrapped optimizer is an instance of a subclass of the user's optimizer class, named like
+it, so ``model.save`` writes the plain optimizer and ``load_model`` re-wraps it.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import keras
+import tensorflow as tf
+
+from hvd_sgp.common import options as sgp_options
+from hvd_sgp.common import runtime
+from hvd_sgp.common.errors import NotInitializedError, SgpValueError
+from hvd_sgp.tensorflow.compression import Compression
+from hvd_sgp.tensorflow.gossip import Settings, VariableGossip
+from hvd_sgp.tensorflow.mpi_ops import Average, Sum, check_process_set, global_process_set
+
+
+class _DistributedMixin:
+    """Put before the user's optimizer class in the MRO of the wrapped class."""
+
+    _hvd_sgp: Settings
+    _hvd_sgp_passes: int
+    _hvd_sgp_sum_micro_steps: bool
+    _hvd_sgp_gossip: Optional[VariableGossip]
+
+    @tf.autograph.experimental.do_not_convert
+    def apply(self, grads, trainable_variables=None):
+        if trainable_variables is None and not self.built:
+            return super().apply(grads, trainable_variables)  # Keras' own error
+        grads = list(grads)
+        variables = (list(trainable_variables) if trainable_variables is not None
+                     else list(self._trainable_variables))
+        gossip = self._sgp_gossip(variables)
+        grads = gossip.reduce_gradients(grads)
+        if self._hvd_sgp_sum_micro_steps:  # Keras averages accumulated gradients; Horovod sums
+            grads = [None if g is None else g * self._hvd_sgp_passes for g in grads]
+        super().apply(grads, trainable_variables)
+        if self._hvd_sgp_passes == 1:
+            gossip.communicate()
+        # Gossip only after the passes whose accumulated update was applied (``_iterations``
+        # counts passes; Keras' ``iterations`` counts updates).
+        elif tf.executing_eagerly():
+            if int(self._iterations.numpy()) % self._hvd_sgp_passes == 0:
+                gossip.communicate()
+        else:
+            tf.cond(self._iterations % self._hvd_sgp_passes == 0,
+                    lambda: _run(gossip.communicate), lambda: tf.constant(True))
+
+    def _sgp_gossip(self, variables) -> VariableGossip:
+        gossip = self._hvd_sgp_gossip
+        if gossip is None:
+            gossip = VariableGossip(variables, self._hvd_sgp)
+            self._hvd_sgp_gossip = gossip
+        elif [id(v) for v in gossip.variables] != [id(v) for v in variables]:
+            raise SgpValueError("DistributedOptimizer was applied to a different list of "
+                                "variables than at its first step; SGP gossips one fixed list")
+        return gossip
+
+    def _sgp_built_gossip(self) -> VariableGossip:
+        if self._hvd_sgp_gossip is None and not self.built:
+            raise SgpValueError("the optimizer has no variables yet: train a step or call "
+                                "optimizer.build(model.trainable_variables) first")
+        return self._sgp_gossip(list(self._trainable_variables))
+
+    # --- SGP extras ---------------------------------------------------------------------
+    def average_parameters(self) -> None:
+        """Exact consensus: every rank gets the network average (for evaluation or saving).
+        Call eagerly on every rank."""
+        self._sgp_built_gossip().average()
+
+    def synchronize_gossip(self) -> None:
+        """Drain messages in flight (overlap mode) so evaluation and checkpoints see them."""
+        self._sgp_built_gossip().drain()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Tell an epoch-based schedule (HVD_SGP_SCHEDULE) which epoch runs; Keras fit gets
+        this from BroadcastGlobalVariablesCallback."""
+        self._sgp_built_gossip().set_epoch(epoch)
+
+    def metrics(self) -> dict:
+        """Per-rank PushSum weight, seconds waited on peers, bytes sent (no communication)."""
+        return self._sgp_built_gossip().metrics()
+
+    def sgp_state(self) -> dict:
+        """PushSum weight and iteration, for a checkpoint beside the model's (local)."""
+        return self._sgp_built_gossip().state()
+
+    def load_sgp_state(self, state: dict) -> None:
+        """Restore sgp_state(); every rank calls it (it may start the engine, a collective)."""
+        self._sgp_built_gossip().engine.load_state(state)
+
+
+def _run(fn) -> tf.Tensor:
+    fn()
+    return tf.constant(True)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def distributed_class(cls: type) -> type:
+    """The wrapped subclass of a Keras optimizer class (one per class)."""
+    if issubclass(cls, _DistributedMixin):
+        return cls
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(cls.__name__, (_DistributedMixin, cls),
+                             {"__module__": cls.__module__, "__doc__": cls.__doc__})
+    return _CLASSES[cls]
+
+
+def convert(optimizer: keras.optimizers.Optimizer, settings: Settings, passes: int = 1,
+            average_aggregated_gradients: bool = False) -> keras.optimizers.Optimizer:
+    """Make ``optimizer`` itself distributed (keeps its variables and state)."""
+    optimizer.__class__ = distributed_class(type(optimizer))
+    optimizer._hvd_sgp = settings
+    optimizer._hvd_sgp_passes = passes
+    optimizer._hvd_sgp_sum_micro_steps = passes > 1 and not average_aggregated_gradients
+    optimizer._hvd_sgp_gossip = None
+    return optimizer
+
+
+def make_settings(compression, op, sgp: dict) -> Settings:
+    """Validate Horovod's op and compression and resolve the SGP options (keywords, env)."""
+    if not runtime.is_initialized():
+        raise NotInitializedError()
+    if op not in (Average, Sum):
+        raise SgpValueError(f"op={op!r} is not offered: SGP replaces the gradient allreduce; "
+                            "use op=Average (or op=Sum)")
+    wire = getattr(compression, "wire", None)
+    if wire is None:
+        raise SgpValueError(f"compression must be one of hvd.Compression.none/fp16/bf16, got "
+                            f"{compression!r}")
+    return Settings(sgp_options.resolve(**sgp), wire, op == Sum)
+
+
+def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[str] = None,
+                         compression=Compression.none, sparse_as_dense: bool = False,
+                         backward_passes_per_step: int = 1, op=Average,
+                         gradient_predivide_factor: float = 1.0,
+                         average_aggregated_gradients: bool = False, num_groups: int = 0,
+                         groups=None, process_set=global_process_set,
+                         scale_local_gradients: bool = True, *, topology=None,
+                         peers: Optional[int] = None, push_sum: Optional[bool] = None,
+                         mode: Optional[str] = None, overlap: Optional[bool] = None,
+                         max_delay: Optional[int] = None, schedule=None,
+                         timeout: Optional[float] = None) -> keras.optimizers.Optimizer:
+    """Wrap a Keras optimizer for SGP training; horovod.tensorflow.keras's arguments plus SGP's.
+
+    Returns a new instance (from the optimizer's config) of a subclass of its class.
+    ``backward_passes_per_step=k`` uses Keras' gradient accumulation (summed, or averaged
+    with ``average_aggregated_gradients=True``) and gossips once per k passes.
+    ``gradient_predivide_factor`` does not change an average and is accepted;
+    ``sparse_as_dense``, ``num_groups``/``groups`` are accepted and unneeded (gradients are
+    always fused dense, one message per dtype).
+    """
+    check_process_set(process_set)
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise SgpValueError(f"DistributedOptimizer wraps Keras optimizers "
+                            f"(tf.keras.optimizers.*), got {type(optimizer).__name__}")
+    if backward_passes_per_step < 1:
+        raise SgpValueError(f"backward_passes_per_step must be >= 1, got "
+                            f"{backward_passes_per_step}")
+    if gradient_predivide_factor <= 0:
+        raise SgpValueError("gradient_predivide_factor must be positive")
+    settings = make_settings(compression, op, dict(
+        topology=topology, peers=peers, push_sum=push_sum, mode=mode, overlap=overlap,
+        max_delay=max_delay, schedule=schedule, timeout=timeout))
+    config = optimizer.get_config()
+    if name is not None:
+        config["name"] = name
+    if backward_passes_per_step > 1:
+        config["gradient_accumulation_steps"] = backward_passes_per_step
+    wrapped = type(optimizer).from_config(config)
+    return convert(wrapped, settings, backward_passes_per_step, average_aggregated_gradients)

@@ -1,0 +1,29 @@
+"""Timeline (Chrome trace, one row per rank), the metrics log, consensus metrics and the plot."""
+import json
+
+from hvd_sgp import plot
+from mpi_launch import run_mpi
+
+
+def test_timeline_metrics_and_plot(tmp_path):
+    timeline = tmp_path / "timeline.json"
+    logs = []
+    for topology in ("exponential", "ring"):
+        log = tmp_path / f"{topology}.jsonl"
+        env = {"HVD_SGP_METRICS": str(log), "HVD_SGP_METRICS_EVERY": "5"}
+        if topology == "exponential":
+            env["HOROVOD_TIMELINE"] = str(timeline)  # Horovod's variable works too
+        out = run_mpi(3, "telemetry_check.py", topology, env=env).stdout
+        assert "telemetry ok" in out
+        logs.append(str(log))
+    trace = json.loads(timeline.read_text())["traceEvents"]
+    assert {e["pid"] for e in trace} == {0, 1, 2}
+    names = {e["name"] for e in trace}
+    assert {"compute", "send/receive", "wait", "process_name"} <= names
+    assert not list(tmp_path.glob("timeline.json.rank*"))  # merged and removed
+    records = [json.loads(line) for line in open(logs[1])]
+    assert [r["step"] for r in records] == list(range(5, 41, 5))
+    assert all(len(r["deviation"]) == 3 and r["label"].startswith("sgp ring") for r in records)
+    png = tmp_path / "deviation.png"
+    plot.main(logs + ["-o", str(png)])
+    assert png.stat().st_size > 10_000
