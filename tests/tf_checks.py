@@ -365,12 +365,17 @@ def check_save_load(model, directory: str) -> None:
     spy = _SpyInitialState()
     x_train, y_train, x_test, y_test = keras_digits.load_data(hvd.rank(), hvd.size())
     best = os.path.join(directory, "best.keras")
-    loaded.fit(x_train, y_train, batch_size=32, epochs=1, verbose=0,
-               validation_data=(x_test, y_test),
-               callbacks=[hvdk.callbacks.BroadcastGlobalVariablesCallback(0), spy,
-                          hvdk.callbacks.MetricAverageCallback(),
-                          hvdk.callbacks.ConsensusCallback(every_epochs=1),
-                          hvdk.callbacks.BestModelCheckpoint(filepath=best)])
+    history = loaded.fit(x_train, y_train, batch_size=32, epochs=1, verbose=0,
+                         validation_data=(x_test, y_test),
+                         callbacks=[hvdk.callbacks.BroadcastGlobalVariablesCallback(0), spy,
+                                    hvdk.callbacks.MetricAverageCallback(),
+                                    hvdk.callbacks.SgpMetricsCallback(consensus=True),
+                                    hvdk.callbacks.ConsensusCallback(every_epochs=1),
+                                    hvdk.callbacks.BestModelCheckpoint(filepath=best)])
+    logged = history.history
+    check("SgpMetricsCallback puts weight, waits, bytes and consensus figures in the logs",
+          {"sgp_weight", "sgp_bytes_sent", "sgp_deviation", "sgp_distance", "sgp_elastic"}
+          <= set(logged) and (hvd.size() == 1 or logged["sgp_bytes_sent"][-1] > 0))
     check("BestModelCheckpoint: rank 0 saved the best model", hvd.rank() != 0
           or os.path.exists(best))
     check("BroadcastGlobalVariablesCallback makes different states one before training",

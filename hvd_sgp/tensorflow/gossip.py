@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -80,7 +80,7 @@ class VariableGossip:
         """Sum in the messages still in flight (Overlap SGP); none before the first exchange.
         Call eagerly on every rank."""
         if self._engine is not None:
-            self._exchange(self._drain, "hvd_sgp drain")
+            self._exchange(self._engine_step(GossipEngine.drain), "hvd_sgp drain")
 
     def metrics(self) -> dict:
         """The engine's per-rank figures; local only (no engine is created for them)."""
@@ -93,7 +93,7 @@ class VariableGossip:
         """PushSum weights and iteration (local only, like metrics)."""
         if self._engine is None:
             n = len(self.buffers)
-            return {"iteration": 0, "weights": [1.0] * n, "mixer_iterations": [0] * n}
+            return {"iteration": 0, "epoch": self._epoch, "weights": [1.0] * n}
         return self._engine.state()
 
     def reduce_gradients(self, grads: Sequence) -> list:
@@ -137,11 +137,20 @@ class VariableGossip:
 
     def communicate(self) -> None:
         """One PushSum iteration: the variables are replaced by their mixed values."""
-        self._exchange(self._communicate, "hvd_sgp gossip")
+        self._exchange(self._engine_step(GossipEngine.communicate), "hvd_sgp gossip")
 
     def average(self) -> None:
         """Exact consensus over all ranks (every rank must call it)."""
-        self._exchange(self._average, "hvd_sgp average_parameters")
+        self._exchange(self._engine_step(GossipEngine.average_parameters),
+                       "hvd_sgp average_parameters")
+
+    def consensus(self, lr: float) -> dict:
+        """One allreduce: deviation from the network mean, consensus distance, elastic
+        estimate. Call eagerly on every rank."""
+        result: dict = {}
+        self._exchange(self._engine_step(lambda e: result.update(e.consensus(lr))),
+                       "hvd_sgp consensus")
+        return result
 
     def _flat_variables(self) -> list[tf.Tensor]:
         return [bridge.flatten([self.variables[i] for i in idx]) for _, idx in self.groups]
@@ -160,20 +169,14 @@ class VariableGossip:
         for buf, flat in zip(self.buffers, flats):
             buf[:-1] = flat
 
-    def _communicate(self, *flats) -> list[np.ndarray]:
-        self._load(flats)
-        self.engine.communicate()
-        return [buf[:-1].copy() for buf in self.buffers]
-
-    def _drain(self, *flats) -> list[np.ndarray]:
-        self._load(flats)
-        self.engine.drain()
-        return [buf[:-1].copy() for buf in self.buffers]
-
-    def _average(self, *flats) -> list[np.ndarray]:
-        self._load(flats)
-        self.engine.average_parameters()
-        return [buf[:-1].copy() for buf in self.buffers]
+    def _engine_step(self, action: Callable[[GossipEngine], None]):
+        """A bridge function: load the variables' values, run ``action`` on the engine, and
+        return the buffers' (mixed) values to assign back."""
+        def step(*flats) -> list[np.ndarray]:
+            self._load(flats)
+            action(self.engine)
+            return [buf[:-1].copy() for buf in self.buffers]
+        return step
 
 
 _BY_VARIABLES: dict[tuple, VariableGossip] = {}

@@ -89,6 +89,13 @@ class _DistributedMixin:
         """Per-rank PushSum weight, seconds waited on peers, bytes sent (no communication)."""
         return self._sgp_built_gossip().metrics()
 
+    def consensus_metrics(self) -> dict:
+        """One allreduce: this rank's deviation from the network mean, the consensus distance
+        and the elastic-consistency estimate (largest deviation / learning rate). Eager, on
+        every rank."""
+        lr = float(keras.ops.convert_to_numpy(self.learning_rate))
+        return self._sgp_built_gossip().consensus(lr)
+
     def sgp_state(self) -> dict:
         """PushSum weight and iteration, for a checkpoint beside the model's (local)."""
         return self._sgp_built_gossip().state()

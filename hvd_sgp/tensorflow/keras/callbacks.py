@@ -186,3 +186,30 @@ class ConsensusCallback(keras.callbacks.Callback):
     def on_train_end(self, logs=None) -> None:
         if self.at_train_end:
             self._average()
+
+
+class SgpMetricsCallback(keras.callbacks.Callback):
+    """Adds SGP's figures to each epoch's ``logs`` (so History, TensorBoard and CSVLogger see
+    them): the PushSum weight, seconds waited on peers and bytes sent, all local; with
+    ``consensus=True`` also the deviation from the network mean, the consensus distance and
+    the elastic-consistency estimate (one allreduce per epoch, every rank)."""
+
+    def __init__(self, consensus: bool = False):
+        super().__init__()
+        self.consensus = consensus
+
+    def on_epoch_end(self, epoch, logs=None) -> None:
+        if logs is None:
+            return
+        optimizer = getattr(self.model, "optimizer", None)
+        if not hasattr(optimizer, "consensus_metrics"):
+            raise SgpValueError("SgpMetricsCallback needs a model compiled with "
+                                "hvd.DistributedOptimizer")
+        figures = optimizer.metrics()
+        logs.update({"sgp_weight": figures["weight"],
+                     "sgp_wait_seconds": figures["total_wait_seconds"],
+                     "sgp_bytes_sent": figures["bytes_sent"]})
+        if self.consensus:
+            c = optimizer.consensus_metrics()
+            logs.update({"sgp_deviation": c["deviation"], "sgp_distance": c["distance"],
+                         "sgp_elastic": c["elastic"]})
