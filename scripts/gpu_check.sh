@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# GPU check for hvd_sgp's CUDA and NCCL paths, in under 5 minutes on one GPU machine:
+#   bash scripts/gpu_check.sh            (from the repository root, in an environment where
+#                                         `pip install ".[all]"` and a CUDA build of torch are)
+# 2 ranks, each its own SGP node, sharing the GPUs (CUDA staging through pinned memory); then,
+# with 2 or more GPUs, 2 ranks forming one node (NCCL in-node gradient averaging).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+python=${PYTHON:-python}
+mpirun=$(dirname "$(command -v "$python")")/mpirun
+[ -x "$mpirun" ] || mpirun=mpirun
+gpus=$("$python" -c "import torch; print(torch.cuda.device_count())")
+echo "GPUs: $gpus; $("$python" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)")"
+timeout 150 "$mpirun" -np 2 --oversubscribe --bind-to none -x HVD_SGP_LOCAL_SIZE=1 \
+    "$python" scripts/gpu_check.py
+if [ "$gpus" -ge 2 ]; then
+    timeout 150 "$mpirun" -np 2 --bind-to none -x HVD_SGP_LOCAL_SIZE=2 "$python" scripts/gpu_check.py
+else
+    echo "one GPU: the NCCL in-node path needs two (NCCL refuses two ranks on one GPU); skipped"
+fi
