@@ -194,12 +194,16 @@ def test_sgp_choices_reach_the_job_environment():
     args = launch.parse_args(["-np", "2", "--topology", "Exponential", "--peers", "1",
                               "--no-overlap", "--max-delay", "1", "--timeout", "2.5",
                               "--timeline-filename", "tl.json", "--start-timeout", "60",
-                              "--log-level", "debug", "--network-interface", "eth1", "x"])
+                              "--log-level", "debug", "--network-interface", "eth1",
+                              "--mode", "dpsgd", "--no-push-sum", "--local-size", "1",
+                              "--metrics", "m.jsonl", "--metrics-every", "5", "x"])
     env = launch.job_environment(args, BASE_ENV, OPEN_MPI_5)
     assert {k: v for k, v in env.items() if k.startswith("HVD_SGP_")} == {
         "HVD_SGP_TOPOLOGY": "exponential", "HVD_SGP_PEERS": "1", "HVD_SGP_OVERLAP": "0",
         "HVD_SGP_MAX_DELAY": "1", "HVD_SGP_TIMEOUT": "2.5", "HVD_SGP_TIMELINE": "tl.json",
-        "HVD_SGP_START_TIMEOUT": "60.0", "HVD_SGP_LOG_LEVEL": "DEBUG"}
+        "HVD_SGP_START_TIMEOUT": "60.0", "HVD_SGP_LOG_LEVEL": "DEBUG", "HVD_SGP_MODE": "dpsgd",
+        "HVD_SGP_PUSH_SUM": "0", "HVD_SGP_LOCAL_SIZE": "1", "HVD_SGP_METRICS": "m.jsonl",
+        "HVD_SGP_METRICS_EVERY": "5"}
     assert env["NCCL_SOCKET_IFNAME"] == "eth1" and env["HOME"] == "/root"
     assert "OMPI_ALLOW_RUN_AS_ROOT" not in env
 

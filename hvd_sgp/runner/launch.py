@@ -192,6 +192,16 @@ def make_parser() -> argparse.ArgumentParser:
     sgp.add_argument("--schedule", help="warm-up and peer schedule (HVD_SGP_SCHEDULE)")
     sgp.add_argument("--timeout", type=_checked(_seconds),
                      help="seconds to wait on a silent peer before failing (HVD_SGP_TIMEOUT)")
+    sgp.add_argument("--mode", type=str.lower, choices=("sgp", "allreduce", "dpsgd"),
+                     help="exchange after each step (HVD_SGP_MODE)")
+    sgp.add_argument("--push-sum", action=argparse.BooleanOptionalAction, default=None,
+                     help="de-bias by the PushSum weight (HVD_SGP_PUSH_SUM=1/0)")
+    sgp.add_argument("--local-size", type=_checked(_count(1)),
+                     help="ranks per SGP node; 1 makes every rank a node (HVD_SGP_LOCAL_SIZE)")
+    sgp.add_argument("--metrics", metavar="PATH",
+                     help="append consensus metrics as JSON lines here (HVD_SGP_METRICS)")
+    sgp.add_argument("--metrics-every", type=_checked(_count(1)),
+                     help="steps between metrics records (HVD_SGP_METRICS_EVERY)")
 
     launch = parser.add_argument_group("launcher")
     launch.add_argument("--launcher", choices=("auto", "mpirun", "srun"), default="auto",
@@ -327,6 +337,11 @@ def sgp_environment(args: argparse.Namespace) -> dict[str, str]:
         "HVD_SGP_MAX_DELAY": args.max_delay,
         "HVD_SGP_SCHEDULE": args.schedule,
         "HVD_SGP_TIMEOUT": args.timeout,
+        "HVD_SGP_MODE": args.mode,
+        "HVD_SGP_PUSH_SUM": None if args.push_sum is None else int(args.push_sum),
+        "HVD_SGP_LOCAL_SIZE": args.local_size,
+        "HVD_SGP_METRICS": args.metrics,
+        "HVD_SGP_METRICS_EVERY": args.metrics_every,
         "HVD_SGP_TIMELINE": args.timeline_filename,
         "HVD_SGP_START_TIMEOUT": args.start_timeout,
         "HVD_SGP_LOG_LEVEL": args.log_level,
