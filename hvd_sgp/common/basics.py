@@ -60,6 +60,11 @@ def gloo_built() -> bool:
     return False
 
 
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    check_process_set(process_set)
+    collectives.barrier()
+
+
 def join(device: int = -1) -> int:
     """Wait for every rank; returns the rank that arrived last."""
     times = collectives.allgather_object(time.monotonic_ns())
@@ -70,5 +75,5 @@ __all__ = [
     "init", "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank",
     "local_rank", "cross_rank", "mpi_threads_supported", "mpi_enabled", "mpi_built",
     "gloo_enabled", "gloo_built", "Average", "Sum", "Adasum", "Min", "Max", "Product",
-    "ProcessSet", "global_process_set", "check_process_set", "resolve_op", "join",
+    "ProcessSet", "global_process_set", "check_process_set", "resolve_op", "barrier", "join",
 ]

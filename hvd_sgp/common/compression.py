@@ -57,3 +57,43 @@ def pack(codec: Codec, values: np.ndarray, weight: float, out: np.ndarray) -> No
 
 def unpack(codec: Codec, message: np.ndarray) -> tuple[np.ndarray, float]:
     return codec.decode(message[:-WEIGHT_WORDS]), float(message[-WEIGHT_WORDS:].view(np.float64)[0])
+
+
+class Compressor:
+    """Horovod's compressor interface for framework tensors: ``compress`` returns the tensor
+    for the wire and a context, ``decompress`` undoes it. ``wire`` names the gossip codec."""
+
+    wire = "none"
+
+    @classmethod
+    def compress(cls, tensor):
+        return tensor, None
+
+    @classmethod
+    def decompress(cls, tensor, ctx):
+        return tensor
+
+
+class CastCompressor(Compressor):
+    """Casts floating tensors to ``dtype`` and back; a framework supplies ``cast`` and
+    ``is_floating``."""
+
+    dtype = None
+
+    @staticmethod
+    def cast(tensor, dtype):
+        raise NotImplementedError
+
+    @staticmethod
+    def is_floating(tensor) -> bool:
+        raise NotImplementedError
+
+    @classmethod
+    def compress(cls, tensor):
+        if cls.is_floating(tensor):
+            return cls.cast(tensor, cls.dtype), tensor.dtype
+        return tensor, None
+
+    @classmethod
+    def decompress(cls, tensor, ctx):
+        return cls.cast(tensor, ctx) if ctx is not None else tensor

@@ -7,47 +7,29 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-
-class Compressor:
-    """Interface: compress a tensor for the wire, decompress with the returned context."""
-
-    wire = "none"
-
-    @staticmethod
-    def compress(tensor: tf.Tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor: tf.Tensor, ctx) -> tf.Tensor:
-        return tensor
+from hvd_sgp.common.compression import CastCompressor, Compressor
 
 
 class NoneCompressor(Compressor):
     pass
 
 
-class _CastCompressor(Compressor):
-    dtype: tf.DType
-
-    @classmethod
-    def compress(cls, tensor: tf.Tensor):
-        if tensor.dtype.is_floating:
-            return tf.cast(tensor, cls.dtype), tensor.dtype
-        return tensor, None
+class _TFCast(CastCompressor):
+    @staticmethod
+    def cast(tensor: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
+        return tf.cast(tensor, dtype)
 
     @staticmethod
-    def decompress(tensor: tf.Tensor, ctx) -> tf.Tensor:
-        return tf.cast(tensor, ctx) if ctx is not None else tensor
+    def is_floating(tensor: tf.Tensor) -> bool:
+        return tensor.dtype.is_floating
 
 
-class FP16Compressor(_CastCompressor):
-    wire = "fp16"
-    dtype = tf.float16
+class FP16Compressor(_TFCast):
+    wire, dtype = "fp16", tf.float16
 
 
-class BF16Compressor(_CastCompressor):
-    wire = "bf16"
-    dtype = tf.bfloat16
+class BF16Compressor(_TFCast):
+    wire, dtype = "bf16", tf.bfloat16
 
 
 class Compression:

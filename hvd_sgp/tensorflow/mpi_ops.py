@@ -171,13 +171,8 @@ def allgather_object(obj: Any, session=None, name: Optional[str] = None,
     return collectives.allgather_object(obj)
 
 
-def barrier(process_set: ProcessSet = global_process_set) -> None:
-    check_process_set(process_set)
-    collectives.barrier()
-
-
 __all__ = list(_basics) + [
     "nccl_built", "cuda_built", "rocm_built", "allreduce", "grouped_allreduce", "allgather",
     "broadcast", "broadcast_variables", "alltoall", "reducescatter", "broadcast_object",
-    "allgather_object", "barrier", "Compression",
+    "allgather_object", "Compression",
 ]

@@ -8,47 +8,29 @@ from __future__ import annotations
 
 import torch
 
-
-class Compressor:
-    """Interface: compress a tensor for the wire, decompress with the returned context."""
-
-    wire = "none"
-
-    @staticmethod
-    def compress(tensor: torch.Tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx) -> torch.Tensor:
-        return tensor
+from hvd_sgp.common.compression import CastCompressor, Compressor
 
 
 class NoneCompressor(Compressor):
     pass
 
 
-class _CastCompressor(Compressor):
-    dtype: torch.dtype
-
-    @classmethod
-    def compress(cls, tensor: torch.Tensor):
-        if tensor.dtype.is_floating_point:
-            return tensor.to(cls.dtype), tensor.dtype
-        return tensor, None
+class _TorchCast(CastCompressor):
+    @staticmethod
+    def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return tensor.to(dtype)
 
     @staticmethod
-    def decompress(tensor: torch.Tensor, ctx) -> torch.Tensor:
-        return tensor.to(ctx) if ctx is not None else tensor
+    def is_floating(tensor: torch.Tensor) -> bool:
+        return tensor.dtype.is_floating_point
 
 
-class FP16Compressor(_CastCompressor):
-    wire = "fp16"
-    dtype = torch.float16
+class FP16Compressor(_TorchCast):
+    wire, dtype = "fp16", torch.float16
 
 
-class BF16Compressor(_CastCompressor):
-    wire = "bf16"
-    dtype = torch.bfloat16
+class BF16Compressor(_TorchCast):
+    wire, dtype = "bf16", torch.bfloat16
 
 
 class Compression:

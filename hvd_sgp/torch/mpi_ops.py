@@ -183,14 +183,9 @@ def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
     return compression.decompress(from_numpy(out, compressed), ctx)
 
 
-def barrier(process_set: ProcessSet = global_process_set) -> None:
-    check_process_set(process_set)
-    collectives.barrier()
-
-
 __all__ = list(_basics) + [
     "nccl_built", "cuda_built", "rocm_built", "allreduce", "allreduce_", "allreduce_async",
     "allreduce_async_", "grouped_allreduce", "allgather", "allgather_async", "broadcast",
-    "broadcast_", "broadcast_async", "broadcast_async_", "alltoall", "reducescatter", "barrier",
+    "broadcast_", "broadcast_async", "broadcast_async_", "alltoall", "reducescatter",
     "poll", "synchronize", "runtime",
 ]
