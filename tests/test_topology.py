@@ -109,3 +109,33 @@ def test_use_before_init_is_a_clear_error():
         pytest.skip("MPI already initialized in this process")
     with pytest.raises(NotInitializedError, match="init"):
         runtime.rank()
+
+
+def test_connectivity_check_agrees_with_dense_reachability():
+    from hvd_sgp.common.topology import _uniform_phase, _validate_connected
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n = int(rng.integers(2, 8))
+        phases = [_uniform_phase([[j for j in range(n) if j != i and rng.random() < 0.3]
+                                  for i in range(n)]) for _ in range(int(rng.integers(1, 3)))]
+        reach = np.eye(n, dtype=bool)
+        for ph in phases:
+            reach |= ph.matrix().T > 0  # reach[i, j]: an edge i -> j
+        closure = reach.copy()
+        for _ in range(n):
+            closure |= (closure.astype(int) @ reach.astype(int)) > 0
+        try:
+            _validate_connected("custom", n, phases)
+            accepted = True
+        except SgpValueError:
+            accepted = False
+        assert accepted == bool(closure.all()), [ph.out_peers for ph in phases]
+
+
+def test_large_graphs_build_quickly():
+    import time
+    began = time.perf_counter()
+    for name in ("exponential", "random", "ring"):
+        topo = make_topology(name, 4096, 2)
+        assert len(topo.phase(0).in_peers(7)) >= 1
+    assert time.perf_counter() - began < 60

@@ -39,3 +39,12 @@ def test_digits_sgp_matches_allreduce(n):
     assert sgp_acc >= ar_acc - 0.015, (sgp_acc, ar_acc)
     assert sgp_dev < 0.05, sgp_dev
     assert sgp_acc > 0.9
+
+
+def test_synthetic_benchmark_runs_in_both_modes():
+    for flag in ([], ["--allreduce"]):
+        out = run_mpi(2, "../examples/pytorch_synthetic_benchmark.py", "--num-iters", "1",
+                      "--num-batches-per-iter", "1", "--num-warmup-batches", "1",
+                      "--depth", "1", "--width", "8", *flag).stdout
+        assert "Total img/sec on 2 ranks" in out
+        assert ("AllReduce" if flag else "SGP") in out

@@ -54,6 +54,9 @@ def check_collectives():
     c = torch.full((3,), float(me))
     hvd.broadcast_(c, root_rank=0)
     assert torch.equal(c, torch.zeros(3))
+    scalar = torch.tensor(float(me) + 1)  # 0-d, like BatchNorm's num_batches_tracked
+    hvd.broadcast_(scalar, root_rank=0)
+    assert scalar.shape == () and scalar.item() == 1.0
     splits = torch.tensor([1] * n)
     out, received = hvd.alltoall(torch.arange(n, dtype=torch.float32) + 10 * me, splits=splits)
     assert torch.equal(out, torch.tensor([10.0 * r + me for r in range(n)]))

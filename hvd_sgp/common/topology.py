@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
@@ -32,8 +33,22 @@ class Phase:
     def n(self) -> int:
         return len(self.out_peers)
 
+    @cached_property
+    def _in_table(self) -> tuple[tuple[int, ...], ...]:
+        table: list[list[int]] = [[] for _ in range(self.n)]
+        for j, peers in enumerate(self.out_peers):
+            for i in peers:
+                table[i].append(j)
+        return tuple(map(tuple, table))
+
     def in_peers(self, i: int) -> tuple[int, ...]:
-        return tuple(j for j in range(self.n) if i in self.out_peers[j])
+        """Who pushes to node i, in ascending order (built once per phase)."""
+        return self._in_table[i]
+
+    def in_weight(self, i: int) -> float:
+        """Node i's row sum of the mixing matrix: 1 for every i means doubly stochastic."""
+        return self.self_weights[i] + sum(
+            self.out_weights[j][self.out_peers[j].index(i)] for j in self.in_peers(i))
 
     def matrix(self) -> np.ndarray:
         """The mixing matrix P with P[j, i] = weight of i's mass sent to j (columns sum to 1)."""
@@ -69,9 +84,8 @@ class Topology:
         for k, phase in enumerate(self.phases):
             _validate_phase(self.name, n, k, phase)
         _validate_connected(self.name, n, self.phases)
-        self.doubly_stochastic = all(
-            np.allclose(ph.matrix().sum(axis=1), 1.0, rtol=0, atol=1e-12) for ph in self.phases
-        )
+        self.doubly_stochastic = all(abs(ph.in_weight(i) - 1.0) <= 1e-12
+                                     for ph in self.phases for i in range(n))
 
     @property
     def period(self) -> int:
@@ -114,18 +128,25 @@ def _validate_phase(name: str, n: int, k: int, phase: Phase) -> None:
 
 
 def _validate_connected(name: str, n: int, phases: Sequence[Phase]) -> None:
-    """The union of the graphs over one period must be strongly connected."""
-    union = np.eye(n, dtype=bool)
-    for phase in phases:
-        for i, peers in enumerate(phase.out_peers):
-            union[i, list(peers)] = True
-    reach = union.copy()
-    for _ in range(max(1, math.ceil(math.log2(n))) + 1):
-        reach = reach | ((reach.astype(np.int64) @ reach.astype(np.int64)) > 0)
-    if not reach.all():
-        i, j = map(int, np.argwhere(~reach)[0])
-        raise SgpValueError(f"{name} topology is not strongly connected over its period of "
-                            f"{len(phases)}: node {i} never reaches node {j}")
+    """The union of the graphs over one period must be strongly connected: every node reached
+    from node 0 along the edges and against them (a search linear in the edges)."""
+    tails = np.array([i for ph in phases for i, peers in enumerate(ph.out_peers) for _ in peers],
+                     dtype=np.int64)
+    heads = np.array([j for ph in phases for peers in ph.out_peers for j in peers],
+                     dtype=np.int64)
+    for src, dst, forward in ((tails, heads, True), (heads, tails, False)):
+        seen = np.zeros(n, dtype=bool)
+        seen[0] = True
+        while True:
+            new = dst[seen[src] & ~seen[dst]]
+            if new.size == 0:
+                break
+            seen[new] = True
+        if not seen.all():
+            other = int(np.argmin(seen))
+            i, j = (0, other) if forward else (other, 0)
+            raise SgpValueError(f"{name} topology is not strongly connected over its period of "
+                                f"{len(phases)}: node {i} never reaches node {j}")
 
 
 def exponential_offsets(n: int) -> list[int]:
@@ -209,11 +230,14 @@ class RandomGraph(Topology):
         used = min(peers, n - 1)
         phases = []
         for _ in range(period):
-            out = []
+            # offsets 1..n-1 from each node, redrawn where a node drew one twice
+            offsets = rng.integers(1, n, size=(n, used)) if n > 1 else np.zeros((n, 0), int)
             for i in range(n):
-                others = np.array([j for j in range(n) if j != i], dtype=np.int64)
-                out.append(sorted(int(j) for j in rng.choice(others, size=used, replace=False)))
-            phases.append(_uniform_phase(out))
+                while len(set(offsets[i])) < used:  # dense draws: sample without replacement
+                    offsets[i] = (rng.choice(np.arange(1, n), size=used, replace=False)
+                                  if 2 * used > n else rng.integers(1, n, size=used))
+            phases.append(_uniform_phase([sorted(int((i + o) % n) for o in offsets[i])
+                                          for i in range(n)]))
         super().__init__(n, phases)
 
 

@@ -42,7 +42,9 @@ def to_numpy(tensor: torch.Tensor) -> np.ndarray:
 
 
 def from_numpy(array: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device=like.device, dtype=like.dtype)
+    if not array.flags.c_contiguous:  # (np.ascontiguousarray would turn 0-d into 1-d)
+        array = np.ascontiguousarray(array)
+    return torch.from_numpy(array).to(device=like.device, dtype=like.dtype)
 
 
 # Horovod's handle table: integer handles for async collectives, finished by synchronize().
