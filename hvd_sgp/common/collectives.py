@@ -9,10 +9,10 @@ import enum
 from typing import Any, Callable, Optional
 
 import numpy as np
-from hvd_sgp.common.mpi import MPI
 
 from hvd_sgp.common import runtime
 from hvd_sgp.common.errors import SgpValueError
+from hvd_sgp.common.mpi import MPI
 
 
 class ReduceOp(enum.IntEnum):

@@ -14,11 +14,11 @@ import sys
 from typing import Sequence
 
 import numpy as np
-from hvd_sgp.common.mpi import MPI
 
 from hvd_sgp.common import runtime, schedule, telemetry
 from hvd_sgp.common.compression import CODECS
 from hvd_sgp.common.errors import SgpValueError
+from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.options import SgpOptions
 from hvd_sgp.common.overlap import OverlapMixer
 from hvd_sgp.common.pushsum import PushSumMixer, average_in_node

@@ -11,10 +11,10 @@ from collections import deque
 from typing import Optional
 
 import numpy as np
-from hvd_sgp.common.mpi import MPI
 
 from hvd_sgp.common.compression import Codec
 from hvd_sgp.common.errors import SgpValueError
+from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.pushsum import PushSumMixer
 from hvd_sgp.common.topology import Topology
 from hvd_sgp.common.transport import Pending, PeerTransport, Progress

@@ -15,10 +15,10 @@ import math
 from typing import Optional
 
 import numpy as np
-from hvd_sgp.common.mpi import MPI
 
 from hvd_sgp.common.compression import WEIGHT_WORDS, Codec, pack, unpack
 from hvd_sgp.common.errors import SgpError, SgpValueError
+from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.topology import Topology, make_topology
 from hvd_sgp.common.transport import Pending, PeerTransport
 

@@ -12,10 +12,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from hvd_sgp.common.mpi import MPI
-
 from hvd_sgp.common import options
 from hvd_sgp.common.errors import PeerTimeoutError, on_rank
+from hvd_sgp.common.mpi import MPI
 
 _TAG_SPACE = 32767  # the MPI standard guarantees tags up to this
 
