@@ -70,7 +70,7 @@ class OverlapMixer(PushSumMixer):
                 if pending.complete[t] and t not in pending.added]
         if rows:
             sources = pending.sources()
-            self.add(pending.received[rows], [sources[t] for t in rows])
+            self.add([pending.received[t] for t in rows], [sources[t] for t in rows])
             pending.added.update(rows)
 
     @staticmethod

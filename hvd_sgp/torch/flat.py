@@ -43,21 +43,27 @@ class FlatGroup:
         else:
             self._host = torch.empty(self.numel + 1, dtype=first.dtype, pin_memory=True)
             self.host = self._host.numpy()
-        self._grad = torch.zeros(self.numel, dtype=first.dtype, device=self.device)
+        self._grad: Optional[torch.Tensor] = None  # only where gradients are reduced
+
+    @property
+    def grad(self) -> torch.Tensor:
+        if self._grad is None:
+            self._grad = torch.zeros(self.numel, dtype=self.flat.dtype, device=self.device)
+        return self._grad
 
     def gather_grads(self) -> torch.Tensor:
         """The gradients as one flat tensor on the group's device (zeros where None)."""
         for p, (a, b) in zip(self.params, self.slices):
             if p.grad is None:
-                self._grad[a:b].zero_()
+                self.grad[a:b].zero_()
             else:
-                self._grad[a:b].copy_(p.grad.reshape(-1))
-        return self._grad
+                self.grad[a:b].copy_(p.grad.reshape(-1))
+        return self.grad
 
     def scatter_grads(self) -> None:
         for p, (a, b) in zip(self.params, self.slices):
             if p.grad is not None:
-                p.grad.copy_(self._grad[a:b].view_as(p.grad))
+                p.grad.copy_(self.grad[a:b].view_as(p.grad))
 
     def grads_on_host(self) -> np.ndarray:
         grads = self.gather_grads()
@@ -65,7 +71,7 @@ class FlatGroup:
 
     def grads_from_host(self, host: np.ndarray) -> None:
         if self._host is not None:
-            self._grad.copy_(torch.from_numpy(host))
+            self.grad.copy_(torch.from_numpy(host))
         self.scatter_grads()
 
     def to_host(self) -> None:
