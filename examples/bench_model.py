@@ -1,0 +1,82 @@
+"""The benchmark's model and data: real compute from a small network, chosen message size.
+
+Why: the question a benchmark answers is how long one step takes when the fused parameter
+buffer has a given size (ResNet-50's 25.6M parameters by default) and the compute takes a
+given time. A small MLP gives real forward/backward work; one large ``payload`` parameter
+with a cheap gradient pads the buffer to the chosen size; an optional sleep adds fixed
+compute time (a GPU's share of the step, which leaves the CPU to the network).
+"""
+from __future__ import annotations
+
+import resource
+import time
+
+import torch
+import torch.nn.functional as F
+
+RESNET50_PARAMETERS = 25_557_032
+
+
+class PayloadMLP(torch.nn.Module):
+    """An MLP on 64 features (digits' 8x8 images) plus a payload making ``parameters`` total."""
+
+    def __init__(self, parameters: int, hidden: int = 256, classes: int = 10):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(),
+                                       torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
+                                       torch.nn.Linear(hidden, classes))
+        small = sum(p.numel() for p in self.net.parameters())
+        self.payload = torch.nn.Parameter(torch.zeros(max(parameters - small, 1)))
+
+    def forward(self, x: torch.Tensor, decay: float = 1e-7):
+        """Logits, and a linear penalty giving the payload the cheapest full gradient (the
+        constant ``decay``: one read forward, one write backward); both come out of forward so
+        that DistributedDataParallel sees every parameter used."""
+        return self.net(x), decay * self.payload.sum()
+
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+
+def synthetic_batch(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed random batch: the throughput runs measure time, not learning."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 64, generator=g), torch.randint(0, 10, (batch,), generator=g)
+
+
+def digits_split(seed: int = 0):
+    """scikit-learn's digits, scaled to [0, 1]: (x_train, y_train, x_test, y_test)."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+    digits = load_digits()
+    x = torch.tensor(digits.data / 16.0, dtype=torch.float32)
+    y = torch.tensor(digits.target, dtype=torch.long)
+    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25, random_state=seed)
+    return x_train, y_train, x_test, y_test
+
+
+def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    with torch.no_grad():
+        return (model(x).argmax(1) == y).float().mean().item()
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
+               y: torch.Tensor, extra_seconds: float = 0.0) -> None:
+    """Forward, backward, the optional fixed compute time, and the (distributed) step."""
+    optimizer.zero_grad()
+    logits, penalty = model(x)
+    (F.cross_entropy(logits, y) + penalty).backward()
+    if extra_seconds > 0:
+        time.sleep(extra_seconds)
+    optimizer.step()
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def tx_bytes(interface: str) -> int:
+    """Bytes sent on ``interface`` (inside a virtual-cluster host: its shaped veth)."""
+    with open(f"/sys/class/net/{interface}/statistics/tx_bytes") as f:
+        return int(f.read())

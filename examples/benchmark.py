@@ -1,0 +1,483 @@
+"""SGP against AllReduce, on localhost or on the virtual cluster with shaped links.
+
+Why: SGP's claim is a step time bound by one model per iteration on the slowest link, where
+ring AllReduce sends two and waits for everyone. One command measures, per mode and number of
+ranks, the median seconds per iteration, the bytes each rank sends per iteration (on the
+shaped interfaces when on the virtual cluster), peak memory and its excess over the plain
+optimizer, and the ratio to the physical bound max(compute, bytes / link rate); then a
+time-to-accuracy run on scikit-learn's digits. Writes JSON, a markdown table and PNG plots.
+
+    python examples/benchmark.py --tiny                                  # localhost, seconds
+    sudo python examples/benchmark.py --cluster --rate 1gbit \
+        --horovod-python /tmp/hvdvenv/bin/python                         # the full run
+
+Every (mode, n) is its own ``mpirun`` of this file with ``--worker``; each rank writes a
+JSON file that the driver reads back.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path[:0] = [str(HERE), str(REPO / "mpi")]
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One way of training: which library wraps the optimizer, and its options."""
+
+    label: str
+    kind: str  # plain | hvd_sgp | ddp | horovod
+    sgp: dict = field(default_factory=dict)
+    ring: bool = False  # Open MPI's ring allreduce (the virtual cluster only)
+
+
+MODES = {
+    "plain": Mode("local SGD, no communication", "plain"),
+    "allreduce": Mode("AllReduce (hvd_sgp, MPI default)", "hvd_sgp", {"mode": "allreduce"}),
+    "allreduce-ring": Mode("AllReduce (hvd_sgp, MPI ring)", "hvd_sgp", {"mode": "allreduce"},
+                           ring=True),
+    "ddp": Mode("AllReduce (torch DDP, gloo)", "ddp"),
+    "horovod": Mode("AllReduce (Horovod)", "horovod"),
+    "dpsgd": Mode("D-PSGD", "hvd_sgp", {"mode": "dpsgd", "peers": 1}),
+    "sgp1": Mode("SGP 1-peer", "hvd_sgp", {"mode": "sgp", "peers": 1}),
+    "sgp2": Mode("SGP 2-peer", "hvd_sgp", {"mode": "sgp", "peers": 2}),
+    "osgp1": Mode("OSGP tau=1", "hvd_sgp", {"mode": "sgp", "peers": 1, "overlap": True,
+                                             "max_delay": 1}),
+    "osgp2": Mode("OSGP tau=2", "hvd_sgp", {"mode": "sgp", "peers": 1, "overlap": True,
+                                             "max_delay": 2}),
+}
+ALLREDUCES = ("allreduce", "allreduce-ring", "ddp", "horovod")
+
+
+# --- the worker: one rank of one (mode, n) ----------------------------------------------
+class Comm:
+    """The few collectives the worker needs, from whichever library the mode uses."""
+
+    def __init__(self, mode: Mode, args):
+        import torch
+        self.torch = torch
+        self.kind = mode.kind
+        if mode.kind == "ddp":
+            import torch.distributed as dist
+            self.dist = dist
+            dist.init_process_group(
+                "gloo", init_method=f"tcp://{args.master_addr}:{args.port}",
+                rank=int(os.environ["OMPI_COMM_WORLD_RANK"]),
+                world_size=int(os.environ["OMPI_COMM_WORLD_SIZE"]))
+            self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        else:
+            if mode.kind == "horovod":
+                import horovod.torch as hvd
+            else:
+                import hvd_sgp.torch as hvd
+            self.hvd = hvd
+            hvd.init()
+            self.rank, self.size = hvd.rank(), hvd.size()
+
+    def wrap(self, mode: Mode, model, optimizer):
+        """The distributed model and optimizer, starting from rank 0's parameters."""
+        if self.kind == "ddp":
+            return self.torch.nn.parallel.DistributedDataParallel(model), optimizer
+        self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        if self.kind == "plain":
+            return model, optimizer
+        extra = mode.sgp if self.kind == "hvd_sgp" else {}
+        return model, self.hvd.DistributedOptimizer(
+            optimizer, named_parameters=model.named_parameters(), **extra)
+
+    def minimum(self, value: float) -> float:
+        t = self.torch.tensor([value], dtype=self.torch.float64)
+        if self.kind == "ddp":
+            self.dist.all_reduce(t, op=self.dist.ReduceOp.MIN)
+            return t.item()
+        return self.hvd.allreduce(t, op=self.hvd.Min, name="min").item()
+
+    def close(self, optimizer) -> None:
+        if hasattr(optimizer, "synchronize_gossip"):
+            optimizer.synchronize_gossip()  # no message left in flight at exit
+        self.minimum(0.0)  # a barrier
+        if self.kind == "ddp":
+            self.dist.destroy_process_group()
+
+
+def throughput(comm: Comm, mode: Mode, args) -> dict:
+    """Warm-up, then time ``args.iters`` steps of the payload model on a fixed batch."""
+    import bench_model as bm
+    import torch
+    model = bm.PayloadMLP(args.params, args.hidden)
+    model, optimizer = comm.wrap(mode, model, torch.optim.SGD(model.parameters(), lr=1e-3,
+                                                                momentum=0.9))
+    x, y = bm.synthetic_batch(args.batch, seed=comm.rank)
+    extra = args.compute_ms / 1000
+    for _ in range(args.warmup):
+        bm.train_step(model, optimizer, x, y, extra)
+    comm.minimum(0.0)
+    tx0 = bm.tx_bytes(args.iface) if args.iface else None
+    sent0 = optimizer.metrics()["bytes_sent"] if hasattr(optimizer, "metrics") else None
+    times = []
+    for _ in range(args.iters):
+        began = time.perf_counter()
+        bm.train_step(model, optimizer, x, y, extra)
+        times.append(time.perf_counter() - began)
+    result = {"times": times, "median": statistics.median(times),
+              "model_bytes": _unwrap(model).nbytes(), "peak_rss": bm.peak_rss_bytes()}
+    if tx0 is not None:
+        result["tx_per_iter"] = (bm.tx_bytes(args.iface) - tx0) / args.iters
+    if sent0 is not None:
+        metrics = optimizer.metrics()
+        result["sent_per_iter"] = (metrics["bytes_sent"] - sent0) / args.iters
+        result["wait_seconds"] = metrics["total_wait_seconds"]
+    comm.close(optimizer)
+    return result
+
+
+def time_to_accuracy(comm: Comm, mode: Mode, args) -> dict:
+    """Train on this rank's shard of digits until every rank's model reaches the target."""
+    import bench_model as bm
+    import torch
+    torch.manual_seed(args.seed)
+    x_train, y_train, x_test, y_test = bm.digits_split()
+    x_train, y_train = x_train[comm.rank::comm.size], y_train[comm.rank::comm.size]
+    model = bm.PayloadMLP(args.tta_params, hidden=64)
+    model, optimizer = comm.wrap(mode, model, torch.optim.SGD(model.parameters(), lr=args.lr,
+                                                                momentum=0.9))
+    net = _unwrap(model).net
+    curve, step, reached = [], 0, False
+    comm.minimum(0.0)
+    start = time.perf_counter()
+    for epoch in range(args.max_epochs):
+        order = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(epoch))
+        for i in range(0, len(order) - args.tta_batch + 1, args.tta_batch):
+            batch = order[i:i + args.tta_batch]
+            bm.train_step(model, optimizer, x_train[batch], y_train[batch])
+            step += 1
+            if step % args.eval_every == 0:
+                acc = bm.accuracy(net, x_test, y_test)
+                curve.append((time.perf_counter() - start, step, acc))
+                reached = comm.minimum(acc) >= args.target
+                if reached:
+                    break
+        if reached:
+            break
+    comm.close(optimizer)
+    return {"curve": curve, "reached": reached, "steps": step}
+
+
+def _unwrap(model):
+    return getattr(model, "module", model)
+
+
+def worker(args) -> None:
+    import torch
+    torch.set_num_threads(1)
+    mode = MODES[args.worker]
+    comm = Comm(mode, args)
+    run = throughput if args.task == "throughput" else time_to_accuracy
+    result = run(comm, mode, args)
+    result.update(rank=comm.rank, host=os.uname().nodename)
+    Path(args.out, f"rank{comm.rank}.json").write_text(json.dumps(result))
+
+
+# --- the driver ---------------------------------------------------------------------------
+WORKER_ARGS = ("params", "hidden", "batch", "compute_ms", "warmup", "iters", "tta_params",
+               "tta_batch", "lr", "target", "max_epochs", "eval_every", "seed")
+
+
+@dataclass
+class Launcher:
+    """Builds the ``mpirun`` line of one run, on localhost or inside the virtual cluster."""
+
+    cluster: object = None  # a virtual_cluster.Cluster
+    horovod_python: str = ""
+    port: int = 29400
+
+    def python(self, mode: Mode) -> str:
+        return self.horovod_python if mode.kind == "horovod" else sys.executable
+
+    def command(self, mode: Mode, n: int, worker: list[str]) -> tuple[list[str], dict]:
+        import virtual_cluster as vc
+        python = self.python(mode)
+        mpirun = str(Path(python).parent / "mpirun")
+        env = vc.run_env(Path(python).parent)
+        if self.cluster is None:
+            env["OMPI_MCA_mpi_yield_when_idle"] = "1"
+            cmd = [mpirun, "-np", str(n), "--oversubscribe", "--bind-to", "none"]
+        else:
+            env["GLOO_SOCKET_IFNAME"] = "eth0"
+            cmd = vc.launch_prefix(self.cluster) + vc.mpirun_command(self.cluster, n, mpirun,
+                                                                    ring=mode.ring)
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+        return cmd + [python, str(Path(__file__).resolve()), *worker], env
+
+    def run(self, task: str, name: str, n: int, args) -> list[dict]:
+        """One mpirun; returns every rank's result (raises with the output on failure)."""
+        mode = MODES[name]
+        self.port += 1
+        master = self.cluster.address(0) if self.cluster is not None else "127.0.0.1"
+        with tempfile.TemporaryDirectory(prefix="hvd_sgp_bench_") as out:
+            worker = ["--worker", name, "--task", task, "--out", out, "--master-addr", master,
+                      "--port", str(self.port)]
+            worker += [f"--{a.replace('_', '-')}={getattr(args, a)}" for a in WORKER_ARGS]
+            if self.cluster is not None:
+                worker.append("--iface=eth0")
+            cmd, env = self.command(mode, n, worker)
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                                  timeout=args.launch_timeout, check=False)
+            files = sorted(Path(out).glob("rank*.json"))
+            if proc.returncode != 0 or len(files) != n:
+                raise RuntimeError(f"{name} on {n} ranks exited {proc.returncode}:\n"
+                                   f"{shlex.join(cmd)}\n{proc.stdout[-3000:]}\n"
+                                   f"{proc.stderr[-3000:]}")
+            return [json.loads(f.read_text()) for f in files]
+
+
+def horovod_usable(python: str) -> bool:
+    if not python:
+        return False
+    probe = subprocess.run([python, "-c", "import horovod.torch"], capture_output=True,
+                           check=False)
+    return probe.returncode == 0
+
+
+def summarize_throughput(raw: dict, link_rate: float | None) -> list[dict]:
+    """Per (n, mode): the slowest rank's median step, bytes, memory, bound and ratios."""
+    rows = []
+    for n in sorted({key[1] for key in raw}):
+        plain = raw.get(("plain", n))
+        compute = max(r["median"] for r in plain) if plain else 0.0
+        base_rss = max(r["peak_rss"] for r in plain) if plain else None
+        reference = raw.get(("allreduce", n))
+        for name, m in [k for k in raw if k[1] == n]:
+            ranks = raw[(name, m)]
+            model_bytes = ranks[0]["model_bytes"]
+            sec = max(r["median"] for r in ranks)
+            if "tx_per_iter" in ranks[0]:
+                sent, source = max(r["tx_per_iter"] for r in ranks), "interface"
+            elif name in ALLREDUCES:
+                sent, source = 2 * (n - 1) / n * model_bytes, "ring estimate"
+            else:
+                sent, source = max(r.get("sent_per_iter", 0.0) for r in ranks), "metrics"
+            bound = max(compute, sent / link_rate if link_rate else 0.0)
+            peak = max(r["peak_rss"] for r in ranks)
+            row = {"n": n, "mode": name, "label": MODES[name].label, "sec_per_iter": sec,
+                   "bytes_per_iter": sent, "bytes_source": source, "peak_rss": peak,
+                   "model_bytes": model_bytes, "compute_sec": compute, "bound_sec": bound,
+                   "ratio_to_bound": sec / bound if bound else None}
+            if base_rss is not None and name != "plain":
+                row["extra_model_copies"] = (peak - base_rss) / model_bytes
+            if reference and name != "plain":
+                row["vs_allreduce"] = sec / max(r["median"] for r in reference)
+            rows.append(row)
+    return rows
+
+
+def summarize_tta(raw: dict, target: float) -> list[dict]:
+    """Per mode: the wall time at which every rank first had the target test accuracy."""
+    rows = []
+    for (name, n), ranks in raw.items():
+        points = [(max(r["curve"][k][0] for r in ranks), ranks[0]["curve"][k][1],
+                   min(r["curve"][k][2] for r in ranks))
+                  for k in range(min(len(r["curve"]) for r in ranks))]
+        hit = next((p for p in points if p[2] >= target), None)
+        rows.append({"mode": name, "label": MODES[name].label, "n": n, "curve": points,
+                     "seconds_to_target": hit[0] if hit else None,
+                     "steps_to_target": hit[1] if hit else None,
+                     "final_min_accuracy": points[-1][2] if points else None})
+    return rows
+
+
+def _fmt(value, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def markdown(report: dict) -> str:
+    """The tables of docs/benchmark.md."""
+    setting = (f"Setting: {report['setting']}; model {report['params'] / 1e6:.1f}M parameters "
+               f"({report['params'] * 4 / 1e6:.0f} MB), {report['warmup']} warm-up + "
+               f"{report['iters']} measured steps, extra compute {report['compute_ms']} ms/step.")
+    header = ("| n | mode | s/iter | vs AllReduce | MB sent/rank/iter | bound s | "
+              "ratio to bound | peak RSS MB | extra model copies |")
+    lines = [f"Command: `{report['command']}`", "", setting, "", header,
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in report["throughput"]:
+        lines.append(
+            f"| {r['n']} | {r['label']} | {r['sec_per_iter']:.3f} | "
+            f"{_fmt(r.get('vs_allreduce'), '.2f')} | {r['bytes_per_iter'] / 1e6:.1f}"
+            f"{'' if r['bytes_source'] == 'interface' else ' (' + r['bytes_source'] + ')'} | "
+            f"{r['bound_sec']:.3f} | {_fmt(r['ratio_to_bound'], '.2f')} | "
+            f"{r['peak_rss'] / 1e6:.0f} | {_fmt(r.get('extra_model_copies'), '.2f')} |")
+    if report["tta"]:
+        title = (f"Time to accuracy on digits ({report['tta_params'] / 1e6:.1f}M-parameter "
+                 f"model, target {report['target']:.2f} on every rank):")
+        lines += ["", title, "", "| n | mode | seconds | steps | final min accuracy |",
+                  "|---|---|---|---|---|"]
+        for r in report["tta"]:
+            lines.append(f"| {r['n']} | {r['label']} | {_fmt(r['seconds_to_target'], '.1f')} | "
+                         f"{_fmt(r['steps_to_target'], 'd')} | "
+                         f"{_fmt(r['final_min_accuracy'], '.3f')} |")
+    if report["failures"]:
+        lines += ["", "Failed runs: " + "; ".join(report["failures"])]
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(path: Path, text: str) -> None:
+    """Replace the text between the result markers, keeping any hand-written analysis."""
+    start, end = "<!-- results start -->", "<!-- results end -->"
+    old = path.read_text() if path.exists() else f"# Benchmark\n\n{start}\n{end}\n"
+    if start not in old or end not in old:
+        old = old.rstrip("\n") + f"\n\n{start}\n{end}\n"
+    head, rest = old.split(start, 1)
+    path.write_text(f"{head}{start}\n{text}{end}{rest.split(end, 1)[1]}")
+
+
+def plot(report: dict, sec_png: Path, tta_png: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, mode in MODES.items():
+        rows = [r for r in report["throughput"] if r["mode"] == name]
+        if rows:
+            ax.plot([r["n"] for r in rows], [r["sec_per_iter"] for r in rows], marker="o",
+                    label=mode.label, linestyle="--" if name in ALLREDUCES else "-")
+    ax.set(xlabel="ranks (n)", ylabel="seconds per iteration (median)",
+           title=f"{report['params'] / 1e6:.1f}M parameters, {report['setting']}")
+    ax.set_xticks(report["ns"], [str(n) for n in report["ns"]])
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(sec_png, dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in report["tta"]:
+        ax.plot([p[0] for p in r["curve"]], [p[2] for p in r["curve"]], marker=".",
+                label=f"{r['label']} (n={r['n']})")
+    ax.axhline(report["target"], color="grey", linewidth=0.8)
+    ax.set(xlabel="wall seconds", ylabel="lowest test accuracy over ranks",
+           title=f"digits, {report['setting']}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(tta_png, dpi=110)
+    plt.close(fig)
+
+
+def plan(args, modes: list[str]) -> list[tuple[str, str, int]]:
+    runs = [("throughput", m, n) for n in sorted(args.ns, reverse=True) for m in modes]
+    return runs + [("tta", m, args.tta_n) for m in args.tta_modes]
+
+
+def drive(args) -> dict:
+    import virtual_cluster as vc
+    from tqdm import tqdm
+    modes = [m for m in args.modes if m != "horovod" or horovod_usable(args.horovod_python)]
+    if args.cluster is None:
+        modes = [m for m in modes if not MODES[m].ring]
+    skipped = sorted(set(args.modes) - set(modes))
+    cluster = None
+    if args.cluster is not None:
+        hosts = max(args.ns + [args.tta_n])
+        cluster = vc.up(vc.Cluster(args.cluster, hosts, args.subnet, args.rate, args.delay))
+    raw = {"throughput": {}, "tta": {}}
+    failures = []
+    launcher = Launcher(cluster, args.horovod_python)
+    try:
+        runs = plan(args, modes)
+        with tqdm(runs, desc="benchmark", unit="run") as bar:
+            for task, name, n in bar:
+                bar.set_postfix_str(f"{task} {name} n={n}")
+                try:
+                    raw[task][(name, n)] = launcher.run(task, name, n, args)
+                except (RuntimeError, subprocess.TimeoutExpired) as error:
+                    failures.append(f"{task} {name} n={n}")
+                    tqdm.write(f"FAILED {task} {name} n={n}: {error}", file=sys.stderr)
+    finally:
+        if cluster is not None:
+            vc.down(cluster.prefix)
+    link_rate = vc.rate_bytes_per_second(args.rate) if cluster is not None else None
+    setting = (f"virtual cluster, {args.rate} links" +
+               (f", delay {args.delay} " + ("emulated" if cluster.delay_emulated else
+                                            "NOT emulated (no netem)") if args.delay else "")
+               if cluster is not None else "localhost (shared memory)")
+    return {"command": " ".join(["python"] + [shlex.quote(a) for a in sys.argv]),
+            "setting": setting, "ns": sorted(args.ns), "params": args.params,
+            "tta_params": args.tta_params, "target": args.target, "warmup": args.warmup,
+            "iters": args.iters, "compute_ms": args.compute_ms, "skipped_modes": skipped,
+            "failures": failures, "throughput": summarize_throughput(raw["throughput"], link_rate),
+            "tta": summarize_tta(raw["tta"], args.target)}
+
+
+def parse(argv: list[str] | None = None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cluster", nargs="?", const="sgpbench", default=None, metavar="PREFIX",
+                   help="build a virtual cluster (root) named PREFIX for the run")
+    p.add_argument("--rate", default="1gbit")
+    p.add_argument("--delay", default="", help="link delay (ignored without netem)")
+    p.add_argument("--subnet", default="10.77.0.0/24")
+    p.add_argument("--ns", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
+    p.add_argument("--params", type=int, default=25_557_032, help="model size (ResNet-50)")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--compute-ms", type=float, default=0.0, help="extra compute per step")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--tta-modes", nargs="*", default=["allreduce", "dpsgd", "sgp1", "osgp1"],
+                   choices=list(MODES))
+    p.add_argument("--tta-n", type=int, default=8)
+    p.add_argument("--tta-params", type=int, default=1_000_000)
+    p.add_argument("--tta-batch", type=int, default=16)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--target", type=float, default=0.92)
+    p.add_argument("--max-epochs", type=int, default=30)
+    p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--horovod-python", default="", help="a Python with horovod.torch")
+    p.add_argument("--launch-timeout", type=float, default=900)
+    p.add_argument("--out", default=str(REPO / "docs" / "benchmark.json"))
+    p.add_argument("--markdown", default=str(REPO / "docs" / "benchmark.md"))
+    p.add_argument("--plots", default=str(REPO / "docs"), help="directory for the PNGs")
+    p.add_argument("--tiny", action="store_true", help="seconds: 2 ranks, 3 modes, small model")
+    p.add_argument("--worker", choices=list(MODES), help=argparse.SUPPRESS)
+    p.add_argument("--task", choices=["throughput", "tta"], help=argparse.SUPPRESS)
+    p.add_argument("--master-addr", help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--iface", default="", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.ns, args.tta_n, args.params, args.tta_params = [2], 2, 200_000, 20_000
+        args.warmup, args.iters, args.max_epochs = 1, 3, 1
+        if args.modes == list(MODES):
+            args.modes = ["plain", "allreduce", "sgp1"]
+        args.tta_modes = [m for m in args.tta_modes if m in ("allreduce", "osgp1")]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    report = drive(args)
+    for path in (Path(args.out).parent, Path(args.markdown).parent, Path(args.plots)):
+        path.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    write_markdown(Path(args.markdown), markdown(report))
+    plot(report, Path(args.plots) / "bench_sec_per_iter.png",
+         Path(args.plots) / "bench_time_to_accuracy.png")
+    print(markdown(report))
+    return 1 if report["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
