@@ -35,3 +35,11 @@ def run_mpi(n: int, script: str, *args: str, env: dict | None = None, timeout: f
                              f"--- stdout ---\n{proc.stdout[-6000:]}\n"
                              f"--- stderr ---\n{proc.stderr[-6000:]}")
     return proc
+
+
+def run_checked(*command, **kwargs) -> str:
+    """Run a plain command (not under MPI); its stdout, or an assertion with its output."""
+    proc = subprocess.run([str(c) for c in command], capture_output=True, text=True,
+                          timeout=600, **kwargs)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout

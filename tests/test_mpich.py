@@ -1,9 +1,9 @@
 """hvd_sgp under MPICH (the PyPI ``mpich`` package and its Hydra ``mpiexec``), in a fresh
 virtual environment of its own: the runtime, the launcher detection and exact gossip."""
-import subprocess
-import sys
 import venv
 from pathlib import Path
+
+from mpi_launch import run_checked as run
 
 REPO = Path(__file__).resolve().parent.parent
 JOB = """
@@ -15,13 +15,6 @@ out = gossip_average(np.full(3, float(rank())), steps=2)  # exponential graph, n
 assert np.abs(out - (size() - 1) / 2).max() < 1e-12, out
 print("mpich ok", rank(), size(), runtime.mpi_threads_supported(), flush=True)
 """
-
-
-def run(*command, **kwargs):
-    proc = subprocess.run([str(c) for c in command], capture_output=True, text=True,
-                          timeout=600, **kwargs)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
 
 
 def test_runtime_and_gossip_under_mpich(tmp_path):

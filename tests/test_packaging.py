@@ -1,9 +1,10 @@
 """The built wheel installs into a fresh virtual environment (core dependencies only), imports
 with the version from one place, and runs a 2-rank job through its own sgprun."""
-import subprocess
 import sys
 import venv
 from pathlib import Path
+
+from mpi_launch import run_checked as run
 
 from hvd_sgp.version import __version__
 
@@ -11,13 +12,6 @@ REPO = Path(__file__).resolve().parent.parent
 JOB = ("import numpy as np, hvd_sgp; from hvd_sgp.common import init, rank, gossip_average; "
        "init(); avg = gossip_average(np.full(4, float(rank())), steps=1); "
        "print(hvd_sgp.__version__, avg.tolist())")
-
-
-def run(*command, **kwargs):
-    proc = subprocess.run([str(c) for c in command], capture_output=True, text=True,
-                          timeout=600, **kwargs)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
 
 
 def test_wheel_installs_and_runs_in_a_fresh_venv(tmp_path):
