@@ -126,9 +126,10 @@ class PeerTransport:
                 deadline.check(lambda: [not req.Test() for req in pending.requests])
                 time.sleep(pause)
                 pause = min(pause * 2, 5e-4)
-        self._record_wait(pending, began)
+        self.record_wait(pending, began)
 
-    def _record_wait(self, pending: Pending, began: float) -> None:
+    def record_wait(self, pending: Pending, began: float) -> None:
+        """Count a finished wait (and draw it on the timeline)."""
         ended = time.monotonic()
         self.stats.record_wait(ended - began)
         if self.timeline is not None and ended - began > 1e-5:
@@ -208,7 +209,7 @@ class Progress:
             while not ready(pending):
                 deadline.check(lambda: [not done for done in pending.complete])
                 self._cond.wait(0.5)
-        self.transport._record_wait(pending, began)
+        self.transport.record_wait(pending, began)
 
     def close(self) -> None:
         with self._cond:

@@ -15,7 +15,7 @@ import torch
 from hvd_sgp.common import options as sgp_options
 from hvd_sgp.common import runtime
 from hvd_sgp.common.engine import GossipEngine
-from hvd_sgp.common.errors import SgpValueError
+from hvd_sgp.common.errors import NotInitializedError, SgpValueError
 from hvd_sgp.torch.compression import Compression
 from hvd_sgp.torch.flat import group_parameters
 from hvd_sgp.torch.mpi_ops import (Adasum, Average, Sum, allreduce, check_process_set,
@@ -27,7 +27,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixed into a subclass of the user's optimizer class (see DistributedOptimizer)."""
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
-                 gradient_predivide_factor, sgp: sgp_options.SgpOptions):
+                 sgp: sgp_options.SgpOptions):
         super(self.__class__, self).__init__(params)
         all_params = [p for group in self.param_groups for p in group["params"]]
         self._parameter_names = _check_named_parameters(named_parameters, all_params)
@@ -35,7 +35,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise SgpValueError("a parameter appears in more than one param group")
         self.backward_passes_per_step = backward_passes_per_step
         self._op = op
-        self._compression = compression
         self._groups = group_parameters(all_params)
         signature = [(self._parameter_names.get(id(p), i), tuple(p.shape), str(p.dtype))
                      for i, p in enumerate(all_params)]
@@ -209,7 +208,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     groups) are accepted and unneeded: all parameters already travel as one buffer.
     """
     if not runtime.is_initialized():
-        raise SgpValueError("hvd_sgp has not been initialized; call hvd.init() first.")
+        raise NotInitializedError()
     check_process_set(process_set)
     if op == Adasum:
         raise SgpValueError("op=Adasum is not offered by hvd_sgp: SGP replaces the gradient "
@@ -229,6 +228,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
     wrapped = cls(optimizer.param_groups, named_parameters, compression,
-                  backward_passes_per_step, op, gradient_predivide_factor, sgp)
+                  backward_passes_per_step, op, sgp)
     wrapped.load_state_dict(optimizer.state_dict())
     return wrapped
