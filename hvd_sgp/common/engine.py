@@ -1,7 +1,8 @@
 """The framework-free SGP driver behind every DistributedOptimizer.
 
-An adapter hands it flat numpy buffers (one per dtype: parameters + weight slot, see
-pushsum.allocate) and, each step, flat gradients. The engine averages gradients exactly inside
+An adapter hands it flat buffers (one per dtype: parameters + weight slot, see
+pushsum.allocate; numpy, or device tensors of a registered kit, see arrays.py) and, each step,
+flat gradients. The engine averages gradients exactly inside
 the node (or across the world in ``mode='allreduce'``), and after the adapter's local step runs
 the current stage's exchange: PushSum over the cross-node graph (``sgp``, synchronous or
 overlapped), symmetric pairwise averaging (``dpsgd``) or nothing (``allreduce``). A schedule
@@ -16,12 +17,13 @@ from typing import Sequence
 import numpy as np
 
 from hvd_sgp.common import runtime, schedule, telemetry
+from hvd_sgp.common.arrays import kit_for
 from hvd_sgp.common.compression import CODECS
 from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.options import SgpOptions
 from hvd_sgp.common.overlap import OverlapMixer
-from hvd_sgp.common.pushsum import PushSumMixer, average_in_node
+from hvd_sgp.common.pushsum import PushSumMixer, average_in_node, exact_average
 from hvd_sgp.common.topology import BipartiteExponentialGraph, make_topology
 from hvd_sgp.common.transport import PeerTransport, Progress
 
@@ -29,7 +31,7 @@ from hvd_sgp.common.transport import PeerTransport, Progress
 class GossipEngine:
     """SGP state of one optimizer on this rank."""
 
-    def __init__(self, buffers: Sequence[np.ndarray], options: SgpOptions,
+    def __init__(self, buffers: Sequence, options: SgpOptions,
                  signature: Sequence[tuple], compression: str = "none"):
         self.options = options
         self.buffers = list(buffers)
@@ -113,10 +115,11 @@ class GossipEngine:
             self.average_parameters()  # the new stage assumes weight 1: fold it in exactly
 
     # --- the step -----------------------------------------------------------------------
-    def reduce_gradients(self, grads: np.ndarray) -> None:
+    def reduce_gradients(self, grads) -> None:
         """Average gradients in place: over the node, or over the world for AllReduce SGD."""
         if self.mode == "allreduce":
             if self.world.Get_size() > 1:
+                kit_for(grads).ready(grads)
                 self.world.Allreduce(MPI.IN_PLACE, grads, op=MPI.SUM)
                 grads /= self.world.Get_size()
         else:
@@ -148,10 +151,10 @@ class GossipEngine:
             mixer.finish(p)
 
     def parameters(self) -> np.ndarray:
-        """All de-biased parameters as one vector (a view when there is one dtype)."""
-        if len(self.buffers) == 1:
+        """All de-biased parameters as one host vector (a view for one numpy buffer)."""
+        if len(self.buffers) == 1 and isinstance(self.buffers[0], np.ndarray):
             return self.buffers[0][:-1]
-        return np.concatenate([b[:-1].astype(np.float64) for b in self.buffers])
+        return np.concatenate([kit_for(b).to_numpy(b[:-1]) for b in self.buffers])
 
     def consensus(self, lr: float = 0.0) -> dict:
         """On request, one allreduce: this rank's deviation from the network mean, the
@@ -171,14 +174,7 @@ class GossipEngine:
         """Exact consensus: every rank gets sum_i(w_i z_i) / sum_i(w_i), and weight 1."""
         self.drain()
         for buf in self.buffers:
-            weight = float(buf[-1])
-            x = buf[:-1]
-            x *= weight
-            total = np.array([weight], dtype=np.float64)
-            self.world.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
-            self.world.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
-            x /= total[0]
-            buf[-1] = 1
+            exact_average(buf, self.cross, self.local)
 
     # --- state and figures ---------------------------------------------------------------
     def state(self) -> dict:

@@ -10,8 +10,6 @@ from __future__ import annotations
 from collections import deque
 from typing import Optional
 
-import numpy as np
-
 from hvd_sgp.common.compression import Codec
 from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.common.mpi import MPI
@@ -23,7 +21,7 @@ from hvd_sgp.common.transport import Pending, PeerTransport, Progress
 class OverlapMixer(PushSumMixer):
     """One buffer's Overlap SGP state; ``progress`` is the background thread moving messages."""
 
-    def __init__(self, buffer: np.ndarray, topology: Topology, transport: PeerTransport,
+    def __init__(self, buffer, topology: Topology, transport: PeerTransport,
                  progress: Progress, local: Optional[MPI.Comm] = None, push_sum: bool = True,
                  codec: Optional[Codec] = None, max_delay: int = 1):
         if max_delay < 1:

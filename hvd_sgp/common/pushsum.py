@@ -8,6 +8,9 @@ stochastic and delivery is synchronous, w stays 1: the weight is neither sent no
 
 Within a node of L ranks, local rank l carries only shard l of the buffer to local rank l of
 the peer nodes (every NIC works), then the node gathers the shards back.
+
+The buffer is a numpy array, or any array type an adapter registered a kit for (arrays.py):
+torch CUDA tensors go to a CUDA-aware MPI without a host copy.
 """
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ from typing import Optional
 
 import numpy as np
 
-from hvd_sgp.common.compression import WEIGHT_WORDS, Codec, pack, unpack
+from hvd_sgp.common.arrays import kit_for
+from hvd_sgp.common.compression import WEIGHT_WORDS, Codec
 from hvd_sgp.common.errors import SgpError, SgpValueError
 from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.topology import Topology, make_topology
@@ -37,11 +41,52 @@ def shard_bounds(n: int, parts: int, index: int) -> tuple[int, int]:
     return start, start + base + (1 if index < extra else 0)
 
 
-def average_in_node(array: np.ndarray, local: MPI.Comm) -> None:
+def average_in_node(array, local: MPI.Comm) -> None:
     """Exact in-place average over the ranks of one node (gradients before the local step)."""
     if local.Get_size() > 1:
+        kit_for(array).ready(array)
         local.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
         array /= local.Get_size()
+
+
+class NodeShard:
+    """The run of the buffer this local rank carries across nodes (all of it when the node has
+    one rank), and the in-node gather that reassembles the whole buffer afterwards."""
+
+    def __init__(self, buffer, local: Optional[MPI.Comm]):
+        self.buffer = buffer
+        self.kit = kit_for(buffer)
+        n = len(buffer) - 1
+        self.local = local if local is not None and local.Get_size() > 1 else None
+        parts, index = (self.local.Get_size(), self.local.Get_rank()) if self.local else (1, 0)
+        self.start, self.stop = shard_bounds(n, parts, index)
+        bounds = [shard_bounds(n, parts, r) for r in range(parts)]
+        self._spec = [buffer, [b - a for a, b in bounds], [a for a, _ in bounds],
+                      self.kit.mpi_type(buffer)]
+
+    def gather(self) -> None:
+        if self.local is not None:
+            self.kit.ready(self.buffer)
+            self.local.Allgatherv(MPI.IN_PLACE, self._spec)
+
+
+def exact_average(buffer, cross: MPI.Comm, local: Optional[MPI.Comm]) -> None:
+    """Exact consensus: every node gets sum_i(w_i z_i) / sum_i(w_i), and weight 1.
+
+    Local rank l averages shard l with the same shard of every other node, weighted by its own
+    PushSum weight (the one that shard carried: under overlap the local ranks' weights differ),
+    then the node gathers the shards.
+    """
+    part = NodeShard(buffer, local)
+    shard = buffer[part.start:part.stop]
+    weight = float(buffer[-1])
+    shard *= weight
+    if cross.Get_size() > 1:
+        part.kit.ready(buffer)
+        cross.Allreduce(MPI.IN_PLACE, shard, op=MPI.SUM)
+    shard /= cross.allreduce(weight)
+    buffer[-1] = 1
+    part.gather()
 
 
 class Audit:
@@ -62,17 +107,18 @@ class PushSumMixer:
     weight on (or off) instead of deciding from the graph.
     """
 
-    def __init__(self, buffer: np.ndarray, topology: Topology, transport: PeerTransport,
+    def __init__(self, buffer, topology: Topology, transport: PeerTransport,
                  local: Optional[MPI.Comm] = None, push_sum: bool = True,
                  codec: Optional[Codec] = None, track_weight: Optional[bool] = None):
-        if buffer.ndim != 1 or buffer.size < 1 or not buffer.flags.c_contiguous:
+        self.kit = kit_for(buffer)
+        if not self.kit.is_flat(buffer) or len(buffer) < 1:
             raise SgpValueError("the PushSum buffer must be one contiguous 1-D array of "
                                 "parameters followed by the weight slot (see allocate())")
         if topology.n != transport.size:
             raise SgpValueError(f"topology {topology!r} is for {topology.n} nodes, but the "
                                 f"transport connects {transport.size}")
         self.buffer = buffer
-        self.n = buffer.size - 1
+        self.n = len(buffer) - 1
         self.topology = topology
         self.node = transport.rank
         self.push_sum = push_sum
@@ -82,18 +128,12 @@ class PushSumMixer:
         self.codec = codec
         self.iteration = 0
         self.transport = transport
-        self.local = local if local is not None and local.Get_size() > 1 else None
-        parts, index = (self.local.Get_size(), self.local.Get_rank()) if self.local else (1, 0)
-        self.start, self.stop = shard_bounds(self.n, parts, index)
-        self._mpi_type = MPI._typedict[buffer.dtype.char]
+        self.part = NodeShard(buffer, local)
+        self.start, self.stop = self.part.start, self.part.stop
+        self._mpi_type = self.kit.mpi_type(buffer)
         self._message = self._message_spec()
         self.audit: Optional[Audit] = None
-        self._received: Optional[np.ndarray] = None
-        self._gather = None
-        if self.local is not None:
-            bounds = [shard_bounds(self.n, parts, r) for r in range(parts)]
-            self._gather = [buffer, [b - a for a, b in bounds], [a for a, _ in bounds],
-                            self._mpi_type]
+        self._received = None
 
     @property
     def weight(self) -> float:
@@ -119,16 +159,16 @@ class PushSumMixer:
         dtype.Commit()
         return [self.buffer, 1, dtype]
 
-    def _receive_rows(self, rows: int, fresh: bool) -> np.ndarray:
+    def _receive_rows(self, rows: int, fresh: bool):
         """Receive buffers, one row per in-peer: reused across synchronous iterations (no
         allocation or page faults per step); ``fresh`` when several iterations are in flight."""
         if not fresh and self._received is not None and len(self._received) == rows:
             return self._received
         if self.codec is not None:
-            shape, dtype = (rows, self.width + WEIGHT_WORDS), np.uint16
+            received = self.kit.empty(self.buffer, (rows, self.width + WEIGHT_WORDS), wire=True)
         else:
-            shape, dtype = (rows, self.width + (1 if self.track_weight else 0)), self.buffer.dtype
-        received = np.empty(shape, dtype)
+            width = self.width + (1 if self.track_weight else 0)
+            received = self.kit.empty(self.buffer, (rows, width))
         if not fresh:
             self._received = received
         return received
@@ -148,7 +188,7 @@ class PushSumMixer:
         shares = phase.out_weights[self.node]
         shard = self.buffer[self.start:self.stop]
         # an untracked weight stays 1 in the buffer; the share arithmetic runs on a scratch copy
-        slot = self.buffer[self.n:] if self.track_weight else np.ones(1, self.buffer.dtype)
+        slot = self.buffer[self.n:] if self.track_weight else self.kit.ones(self.buffer, 1)
         weight = float(slot[0])
         keep = phase.self_weights[self.node]
         if phase.uniform_out(self.node):  # own share == every peer's share: one message
@@ -165,6 +205,7 @@ class PushSumMixer:
             shard *= keep
             slot *= keep
         received = self._receive_rows(len(in_peers), fresh=detach)
+        self.kit.ready(self.buffer)
         pending = self.transport.start(self.iteration, sends,
                                        [(peer, received[t]) for t, peer in enumerate(in_peers)])
         pending.received = received
@@ -173,15 +214,15 @@ class PushSumMixer:
                 self.audit.sent += self._mass(message)
         return pending
 
-    def _snapshot(self, shard: np.ndarray, slot: np.ndarray) -> np.ndarray:
+    def _snapshot(self, shard, slot):
         """A contiguous copy of what a push carries (the shard, and the weight if tracked)."""
-        return np.concatenate([shard, slot]) if self.track_weight else shard.copy()
+        return self.kit.concat([shard, slot]) if self.track_weight else self.kit.copy(shard)
 
-    def _encode(self, values: np.ndarray, weight: float, plain):
+    def _encode(self, values, weight: float, plain):
         if self.codec is None:
             return plain
-        out = np.empty(self.width + WEIGHT_WORDS, dtype=np.uint16)
-        pack(self.codec, values, weight, out)
+        out = self.kit.empty(self.buffer, (self.width + WEIGHT_WORDS,), wire=True)
+        self.kit.pack(self.codec, values, float(weight), out)
         return out
 
     def finish(self, pending: Pending) -> None:
@@ -195,8 +236,7 @@ class PushSumMixer:
         """De-bias the shard and gather the node's shards back into the whole buffer."""
         if self.track_weight:
             self.buffer[self.start:self.stop] /= self.buffer[self.n]
-        if self.local is not None:
-            self.local.Allgatherv(MPI.IN_PLACE, self._gather)
+        self.part.gather()
 
     def add(self, received, sources: list[int]) -> None:
         """Add received messages (one row each) into the re-biased shard and the weight."""
@@ -207,9 +247,9 @@ class PushSumMixer:
                 values = row[:self.width]
                 weights.append(row[self.width] if self.track_weight else 1.0)
             else:
-                values, weight = unpack(self.codec, row)
+                values, weight = self.kit.unpack(self.codec, row)
                 weights.append(weight)
-            if not math.isfinite(float(values.sum())):
+            if not math.isfinite(self.kit.total(values)):
                 raise SgpError(f"received NaN or infinite parameters from rank "
                                f"{self.transport.world_ranks[source]} at iteration "
                                f"{self.iteration}: that rank diverged")
@@ -218,17 +258,17 @@ class PushSumMixer:
                 self.audit.received += self._mass(row)
         if self.track_weight:
             self._check_weights(weights, sources)
-            self.buffer[self.n] += sum(weights)
+            self.buffer[self.n] += sum(float(w) for w in weights)
 
     def _mass(self, message) -> np.ndarray:
         """(sum of numerators, weight) carried by one message, for the audit."""
         if isinstance(message, list):  # [buffer, 1, indexed datatype]: the live shard + slot
             message = self._snapshot(self.buffer[self.start:self.stop], self.buffer[self.n:])
         if self.codec is not None:
-            values, weight = unpack(self.codec, message)
-            return np.array([values.sum(dtype=np.float64), weight])
-        weight = message[self.width] if self.track_weight else 0.0
-        return np.array([message[:self.width].sum(dtype=np.float64), weight], dtype=np.float64)
+            values, weight = self.kit.unpack(self.codec, message)
+            return np.array([self.kit.total(values), weight])
+        weight = float(message[self.width]) if self.track_weight else 0.0
+        return np.array([self.kit.total(message[:self.width]), weight])
 
     def _check_weights(self, weights, sources) -> None:
         for w, peer in zip(weights, sources):

@@ -1,0 +1,106 @@
+"""The few array operations the mixer needs beyond slicing and in-place arithmetic.
+
+The core mixes numpy arrays on the host. An adapter can hand it its own tensors instead (torch
+CUDA tensors given straight to a CUDA-aware MPI, see hvd_sgp/torch/tensor_kit.py) by
+registering a kit for their type; mpi4py takes such tensors through DLPack. The core never
+imports a framework: it only looks the kit up by the buffer's type.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from hvd_sgp.common.compression import Codec, pack, unpack
+from hvd_sgp.common.mpi import MPI
+
+
+class ArrayKit:
+    """Array creation, MPI typing, host copies and the wire codecs for one array type."""
+
+    def is_flat(self, a: Any) -> bool:
+        """One contiguous 1-D array (what a PushSum buffer must be)."""
+        raise NotImplementedError
+
+    def mpi_type(self, a: Any) -> MPI.Datatype:
+        raise NotImplementedError
+
+    def empty(self, like: Any, shape: tuple, wire: bool = False) -> Any:
+        """Uninitialised storage beside ``like`` (its dtype, or uint16 words for the wire)."""
+        raise NotImplementedError
+
+    def ones(self, like: Any, size: int) -> Any:
+        raise NotImplementedError
+
+    def copy(self, a: Any) -> Any:
+        raise NotImplementedError
+
+    def concat(self, parts: Sequence[Any]) -> Any:
+        raise NotImplementedError
+
+    def total(self, a: Any) -> float:
+        """The float64 sum (audits and the NaN check)."""
+        raise NotImplementedError
+
+    def to_numpy(self, a: Any) -> np.ndarray:
+        """A host float64 copy (telemetry)."""
+        raise NotImplementedError
+
+    def ready(self, a: Any) -> None:
+        """Make pending writes to ``a`` visible to MPI (device kits wait for their stream)."""
+
+    def pack(self, codec: Codec, values: Any, weight: float, out: Any) -> None:
+        raise NotImplementedError
+
+    def unpack(self, codec: Codec, message: Any) -> tuple[Any, float]:
+        raise NotImplementedError
+
+
+class NumpyKit(ArrayKit):
+    def is_flat(self, a: np.ndarray) -> bool:
+        return a.ndim == 1 and a.flags.c_contiguous
+
+    def mpi_type(self, a: np.ndarray) -> MPI.Datatype:
+        return MPI._typedict[a.dtype.char]
+
+    def empty(self, like: np.ndarray, shape: tuple, wire: bool = False) -> np.ndarray:
+        return np.empty(shape, np.uint16 if wire else like.dtype)
+
+    def ones(self, like: np.ndarray, size: int) -> np.ndarray:
+        return np.ones(size, like.dtype)
+
+    def copy(self, a: np.ndarray) -> np.ndarray:
+        return a.copy()
+
+    def concat(self, parts: Sequence[np.ndarray]) -> np.ndarray:
+        return np.concatenate(parts)
+
+    def total(self, a: np.ndarray) -> float:
+        return float(a.sum(dtype=np.float64))
+
+    def to_numpy(self, a: np.ndarray) -> np.ndarray:
+        return a.astype(np.float64)
+
+    def pack(self, codec: Codec, values: np.ndarray, weight: float, out: np.ndarray) -> None:
+        pack(codec, values, weight, out)
+
+    def unpack(self, codec: Codec, message: np.ndarray) -> tuple[np.ndarray, float]:
+        return unpack(codec, message)
+
+
+NUMPY = NumpyKit()
+_KITS: dict[type, ArrayKit] = {np.ndarray: NUMPY}
+
+
+def register(kind: type, kit: ArrayKit) -> None:
+    """Let the core mix arrays of type ``kind`` (an adapter calls this on import)."""
+    _KITS[kind] = kit
+
+
+def kit_for(a: Any) -> ArrayKit:
+    for kind in type(a).__mro__:
+        if kind in _KITS:
+            return _KITS[kind]
+    raise TypeError(f"hvd_sgp cannot mix buffers of type {type(a).__name__}; use a numpy "
+                    "array or a tensor of a framework whose adapter is imported")
+
