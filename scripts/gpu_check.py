@@ -1,16 +1,23 @@
 """CUDA and NCCL paths of hvd_sgp.torch; run by scripts/gpu_check.sh on a GPU machine.
 
 Each rank uses GPU local_rank % device_count. Checks: collectives on CUDA tensors come back on
-the GPU with exact values; complete-graph SGP equals AllReduce SGD on CUDA parameters (staged
-through pinned host memory); Overlap SGP trains; with 2 ranks per node, the NCCL in-node
-gradient average keeps the node's ranks identical.
+the GPU with exact values; the torch kit's fp16/bf16 wire format on the GPU is byte-identical to
+the numpy codecs; complete-graph SGP equals AllReduce SGD on CUDA parameters, staged through
+pinned host memory on a side stream, and mixed on the GPU with MPI reading device memory when
+the MPI is CUDA-aware; Overlap SGP trains; with 2 ranks per node, the NCCL in-node gradient
+average keeps the node's ranks identical.
 """
 import sys
 import time
 
+import numpy as np
 import torch
 
 import hvd_sgp.torch as hvd
+from hvd_sgp.common import runtime
+from hvd_sgp.common.compression import CODECS, pack
+from hvd_sgp.torch import flat as flat_module
+from hvd_sgp.torch.tensor_kit import TorchKit
 
 hvd.init()
 assert torch.cuda.is_available(), "no CUDA device"
@@ -32,6 +39,17 @@ b = hvd.broadcast(t, root_rank=0)
 assert b.is_cuda and float(b.sum()) == 0.0
 ok("collectives on CUDA tensors")
 
+values = torch.randn(1001, device=device) * 100
+for name in ("fp16", "bf16"):
+    words = torch.empty(1001 + 4, dtype=torch.uint16, device=device)
+    TorchKit().pack(CODECS[name], values, 0.375, words)
+    expected = np.empty(1001 + 4, dtype=np.uint16)
+    pack(CODECS[name], values.cpu().numpy(), 0.375, expected)
+    assert np.array_equal(words.cpu().numpy(), expected), name
+    decoded, weight = TorchKit().unpack(CODECS[name], words)
+    assert decoded.is_cuda and weight == 0.375
+ok("fp16/bf16 wire messages packed on the GPU equal the numpy codecs' bytes")
+
 
 def train(**kwargs):
     torch.manual_seed(1)
@@ -52,12 +70,19 @@ def train(**kwargs):
         (time.perf_counter() - began) / 30
 
 
-sgp, t_sgp = train(topology="complete")
-allreduce, t_ar = train(mode="allreduce")
-diff = (sgp - allreduce).abs().max().item()
-assert diff < 1e-4, diff
-ok(f"complete-graph SGP equals AllReduce SGD on CUDA ({diff:.1e}); "
-   f"{t_sgp * 1e3:.1f} vs {t_ar * 1e3:.1f} ms/step")
+chosen = flat_module.placement
+placements = ["staged"] + (["direct"] if runtime.cuda_aware_mpi() else [])
+for where in placements:
+    flat_module.placement = lambda device, where=where: where
+    sgp, t_sgp = train(topology="complete")
+    allreduce, t_ar = train(mode="allreduce")
+    diff = (sgp - allreduce).abs().max().item()
+    assert diff < 1e-4, diff
+    ok(f"{where}: complete-graph SGP equals AllReduce SGD on CUDA ({diff:.1e}); "
+       f"{t_sgp * 1e3:.1f} vs {t_ar * 1e3:.1f} ms/step")
+flat_module.placement = chosen
+if "direct" not in placements:
+    ok("direct (CUDA-aware) path skipped: this MPI is not CUDA-aware (HVD_SGP_CUDA_AWARE unset)")
 osgp, t_osgp = train(overlap=True, max_delay=1)
 assert torch.isfinite(osgp).all()
 ok(f"Overlap SGP on CUDA parameters: {t_osgp * 1e3:.1f} ms/step")

@@ -1,22 +1,40 @@
 """Parameters re-homed as views into one flat tensor per (device, dtype), the SGP buffer.
 
 The flat tensor has one extra element, the PushSum weight slot, so parameters and weight
-travel as one message. On CPU the core mixes the tensor's own memory (a numpy view, no copy);
-CUDA buffers are staged through pinned host memory around each exchange.
+travel as one message. Where the core mixes it depends on the device (``placement``):
+
+- ``view``: CPU tensors; the core mixes the tensor's own memory through a numpy view.
+- ``direct``: CUDA tensors with a CUDA-aware MPI; the core mixes the tensor itself on the GPU
+  (tensor_kit.py) and MPI reads and writes device memory.
+- ``staged``: CUDA tensors otherwise; a pinned host copy is mixed. The copy out runs on a side
+  stream and the host waits only for it; the copy back is queued on the side stream and the
+  compute stream waits for it on the GPU, so the host goes on to the next step at once.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
-from typing import Optional
+from typing import Iterator, Optional, Sequence
 
-import numpy as np
 import torch
 
+from hvd_sgp.common import runtime
 from hvd_sgp.common.errors import SgpValueError
+from hvd_sgp.torch import tensor_kit  # noqa: F401  (registers torch tensors with the core)
+
+PLACEMENTS = ("view", "direct", "staged")
+
+
+def placement(device: torch.device) -> str:
+    """Where the core mixes parameters living on ``device`` (see the module docstring)."""
+    if device.type == "cpu":
+        return "view"
+    return "direct" if runtime.cuda_aware_mpi() else "staged"
 
 
 class FlatGroup:
-    """One (device, dtype) group of parameters living in ``self.flat[:-1]``."""
+    """One (device, dtype) group of parameters living in ``self.flat[:-1]``; ``self.buffer``
+    is what the core mixes."""
 
     def __init__(self, params: list[torch.nn.Parameter]):
         first = params[0]
@@ -37,13 +55,23 @@ class FlatGroup:
                 p.data = view.view_as(p)
                 self.slices.append((offset, offset + p.numel()))
                 offset += p.numel()
-        if self.device.type == "cpu":
-            self._host: Optional[torch.Tensor] = None
-            self.host = self.flat.numpy()
+        self.placement = placement(self.device)
+        if self.placement not in PLACEMENTS:
+            raise SgpValueError(f"unknown placement {self.placement!r}; one of {PLACEMENTS}")
+        cuda = self.device.type == "cuda"
+        side = cuda and self.placement == "staged"
+        self._host: Optional[torch.Tensor] = None
+        self._stream = torch.cuda.Stream(self.device) if side else None
+        self._copied = torch.cuda.Event() if side else None
+        if self.placement == "view":
+            self.buffer = self.flat.numpy()
+        elif self.placement == "direct":
+            self.buffer = self.flat
         else:
-            self._host = torch.empty(self.numel + 1, dtype=first.dtype, pin_memory=True)
-            self.host = self._host.numpy()
+            self._host = torch.empty(self.numel + 1, dtype=first.dtype, pin_memory=cuda)
+            self.buffer = self._host.numpy()
         self._grad: Optional[torch.Tensor] = None  # only where gradients are reduced
+        self._host_grad: Optional[torch.Tensor] = None
 
     @property
     def grad(self) -> torch.Tensor:
@@ -65,22 +93,53 @@ class FlatGroup:
             if p.grad is not None:
                 p.grad.copy_(self.grad[a:b].view_as(p.grad))
 
-    def grads_on_host(self) -> np.ndarray:
+    def grads_for_mpi(self):
+        """The flat gradients as the core should reduce them (same placement as the buffer)."""
         grads = self.gather_grads()
-        return grads.numpy() if self._host is None else grads.cpu().numpy()
+        if self.placement == "view":
+            return grads.numpy()
+        if self.placement == "direct":
+            return grads
+        if self._host_grad is None:
+            self._host_grad = torch.empty_like(grads, device="cpu",
+                                               pin_memory=self.device.type == "cuda")
+        self._host_grad.copy_(grads)
+        return self._host_grad.numpy()
 
-    def grads_from_host(self, host: np.ndarray) -> None:
-        if self._host is not None:
-            self.grad.copy_(torch.from_numpy(host))
+    def grads_from_mpi(self) -> None:
+        """Put the reduced gradients (from grads_for_mpi) back into each parameter's grad."""
+        if self.placement == "staged":
+            self.grad.copy_(self._host_grad)
         self.scatter_grads()
 
-    def to_host(self) -> None:
-        if self._host is not None:
+    def copy_out(self) -> None:
+        """Start copying the parameters to the staging buffer (``wait_out`` completes it)."""
+        if self.placement != "staged":
+            return
+        if self._stream is None:
             self._host.copy_(self.flat)
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            self._host.copy_(self.flat, non_blocking=True)
+            self._copied.record(self._stream)
 
-    def from_host(self) -> None:
-        if self._host is not None:
-            self.flat.copy_(self._host, non_blocking=False)
+    def wait_out(self) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()
+
+    def copy_in(self) -> None:
+        """Queue the mixed parameters' copy back; the compute stream waits for it on the GPU.
+        The side stream also orders it before the next copy out, so the host buffer is not
+        overwritten while it is read."""
+        if self.placement != "staged":
+            return
+        if self._stream is None:
+            self.flat.copy_(self._host)
+            return
+        with torch.cuda.stream(self._stream):
+            self.flat.copy_(self._host, non_blocking=True)
+        torch.cuda.current_stream(self.device).wait_stream(self._stream)
 
     def check_views(self) -> None:
         """Fail loudly if something (model.to(), load_state_dict(assign=True)) re-homed a
@@ -90,6 +149,19 @@ class FlatGroup:
                 raise SgpValueError("a parameter was moved out of hvd_sgp's buffer after "
                                     "DistributedOptimizer was created (model.to()/.cuda() must "
                                     "come before wrapping the optimizer)")
+
+
+@contextlib.contextmanager
+def staged(groups: Sequence[FlatGroup]) -> Iterator[None]:
+    """Around every use of the core's buffers: staged groups copy out before (all copies in
+    flight together) and back after; the other placements need nothing."""
+    for group in groups:
+        group.copy_out()
+    for group in groups:
+        group.wait_out()
+    yield
+    for group in groups:
+        group.copy_in()
 
 
 def group_parameters(params: list[torch.nn.Parameter]) -> list[FlatGroup]:

@@ -17,7 +17,7 @@ from hvd_sgp.common import runtime
 from hvd_sgp.common.engine import GossipEngine
 from hvd_sgp.common.errors import NotInitializedError, SgpValueError
 from hvd_sgp.torch.compression import Compression
-from hvd_sgp.torch.flat import group_parameters
+from hvd_sgp.torch.flat import group_parameters, staged
 from hvd_sgp.torch.mpi_ops import (Adasum, Average, Sum, allreduce, check_process_set,
                                     global_process_set)
 from hvd_sgp.torch import node_nccl
@@ -38,7 +38,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._groups = group_parameters(all_params)
         signature = [(self._parameter_names.get(id(p), i), tuple(p.shape), str(p.dtype))
                      for i, p in enumerate(all_params)]
-        self._engine = GossipEngine([g.host for g in self._groups], sgp, signature,
+        self._engine = GossipEngine([g.buffer for g in self._groups], sgp, signature,
                                     compression.wire)
         self._passes = {}
         self._hooks = [p.register_post_accumulate_grad_hook(self._count_pass)
@@ -74,9 +74,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     node_nccl.average(group.gather_grads())
                     group.scatter_grads()
                 else:
-                    host = group.grads_on_host()
-                    self._engine.reduce_gradients(host)
-                    group.grads_from_host(host)
+                    self._engine.reduce_gradients(group.grads_for_mpi())
+                    group.grads_from_mpi()
         if self._op == Sum:
             for p in self._all_params():  # Horovod's Sum: n times the average
                 if p.grad is not None:
@@ -115,18 +114,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self.synchronize()
         self._synchronized = False
         loss = super(self.__class__, self).step(closure)
-        with self._on_host():
+        with staged(self._groups):
             self._engine.communicate(self.param_groups[0]["lr"])
         return loss
-
-    @contextlib.contextmanager
-    def _on_host(self):
-        """The engine works on host buffers: stage CUDA parameters out and back."""
-        for group in self._groups:
-            group.to_host()
-        yield
-        for group in self._groups:
-            group.from_host()
 
     def _all_params(self):
         return [p for group in self._groups for p in group.params]
@@ -134,12 +124,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # --- SGP extras ---------------------------------------------------------------------
     def synchronize_gossip(self) -> None:
         """Drain messages in flight (overlap mode) so evaluation and checkpoints see them."""
-        with self._on_host():
+        with staged(self._groups):
             self._engine.drain()
 
     def average_parameters(self) -> None:
         """Exact consensus: every rank gets the network average (for evaluation or saving)."""
-        with self._on_host():
+        with staged(self._groups):
             self._engine.average_parameters()
 
     def set_epoch(self, epoch: int) -> None:
@@ -153,12 +143,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def consensus_metrics(self) -> dict:
         """One allreduce: this rank's deviation from the network mean, the consensus distance
         and the elastic-consistency estimate (largest deviation seen / learning rate)."""
-        with self._on_host():
+        with staged(self._groups):
             return self._engine.consensus(self.param_groups[0]["lr"])
 
     def state_dict(self):
         state = super(self.__class__, self).state_dict()
-        with self._on_host():
+        with staged(self._groups):
             state["hvd_sgp"] = self._engine.state()
         return state
 
@@ -167,7 +157,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         sgp_state = state_dict.pop("hvd_sgp", None)
         super(self.__class__, self).load_state_dict(state_dict)
         if sgp_state is not None:
-            with self._on_host():
+            with staged(self._groups):
                 self._engine.load_state(sgp_state)
 
 
