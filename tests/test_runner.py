@@ -292,9 +292,11 @@ PROBE = textwrap.dedent("""
 """)
 
 
-def run_sgprun(argv: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+def run_sgprun(argv: list[str], timeout: float = 120,
+               extra_env: dict | None = None) -> subprocess.CompletedProcess:
     # As a user would start it: without Open MPI's root consent (sgprun must add it).
     env = {k: v for k, v in os.environ.items() if not k.startswith("OMPI_ALLOW_RUN_AS_ROOT")}
+    env.update(extra_env or {})
     return subprocess.run([SGPRUN, *argv], capture_output=True, text=True, timeout=timeout,
                           env=env)
 
@@ -333,3 +335,6 @@ def test_check_build_reports_mpi_and_frameworks():
     assert "[X] MPI: " in out and "MPI_THREAD_MULTIPLE" in out and "CUDA-aware MPI" in out
     for line in ("PyTorch", "TensorFlow", "Horovod", "NCCL"):
         assert f"] {line}" in out
+    for forced, mark in (("1", "[X]"), ("0", "[ ]")):  # the override beats MPI's answer
+        forced_out = run_sgprun(["--check-build"], extra_env={"HVD_SGP_CUDA_AWARE": forced})
+        assert f"{mark} CUDA-aware MPI" in forced_out.stdout, forced_out.stdout

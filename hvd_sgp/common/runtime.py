@@ -7,6 +7,7 @@ nodes of L ranks instead, so one machine can emulate several nodes.
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -177,25 +178,31 @@ def mpi_library() -> str:
 def cuda_aware_mpi() -> bool:
     """Whether MPI can take CUDA buffers directly.
 
-    ``HVD_SGP_CUDA_AWARE=0/1`` decides when set; otherwise Open MPI's ``ompi_info`` is asked
-    (``mpi_built_with_cuda_support``). Unknown means False: CUDA tensors are staged through host.
+    ``HVD_SGP_CUDA_AWARE=0/1`` decides when set; otherwise the loaded MPI library is asked at
+    run time (Open MPI's ``MPIX_Query_cuda_support``). An MPI without that query (MPICH) counts
+    as not CUDA-aware: CUDA tensors are then staged through host memory.
     """
     forced = os.environ.get("HVD_SGP_CUDA_AWARE")
     if forced is not None:
         return forced.strip().lower() in ("1", "true", "yes", "on")
-    import shutil
-    import subprocess
+    return _mpi_reports_cuda()
 
-    tool = shutil.which("ompi_info")
-    if tool is None or "Open MPI" not in mpi_library():
-        return False
+
+@functools.cache
+def _mpi_reports_cuda() -> bool:
+    import ctypes
+
     try:
-        out = subprocess.run(
-            [tool, "--parsable", "--all"], capture_output=True, text=True, timeout=30
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
+        with open("/proc/self/maps") as maps:
+            libraries = {line.split()[-1] for line in maps if "/libmpi.so" in line}
+    except OSError:
         return False
-    return "mpi_built_with_cuda_support:value:true" in out
+    for path in sorted(libraries):
+        try:
+            return bool(ctypes.CDLL(path).MPIX_Query_cuda_support())
+        except (OSError, AttributeError):
+            continue
+    return False
 
 
 def _abort_on_uncaught_errors() -> None:
