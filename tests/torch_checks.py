@@ -376,10 +376,32 @@ def check_placements():
     ok(f"mixing on tensors (direct) and through staging equals the numpy view ({worst:.1e})")
 
 
+def check_node_groups_in_a_user_world():
+    """A script that started torch.distributed itself: the in-node group hvd_sgp carves out of
+    its world holds exactly this node's ranks (gloo here; NCCL on GPUs)."""
+    import torch.distributed as dist
+    from hvd_sgp.torch import node_nccl
+
+    port = hvd.broadcast_object(node_nccl._free_port() if me == 0 else None, root_rank=0)
+    store = dist.TCPStore("127.0.0.1", port, n, me == 0)
+    dist.init_process_group("gloo", store=store, rank=n - 1 - me, world_size=n)  # reversed
+    try:
+        group = node_nccl._user_world_subgroup(backend="gloo")
+        value = torch.tensor([float(me)])
+        dist.all_reduce(value, group=group)
+        first = me - hvd.local_rank()
+        assert value.item() == sum(range(first, first + hvd.local_size())), value
+    finally:
+        dist.destroy_process_group()
+    ok("in-node groups carved from a user's torch.distributed world hold the node's ranks")
+
+
 checks = [check_collectives, check_broadcast_optimizer_state, check_named_parameters,
           check_complete_equals_allreduce, check_pure_mixing, check_regression,
           check_horovod_behaviours, check_state_dict_and_consensus, check_mismatch_detected,
           check_overlap_schedules_and_modes, check_placements]
+if hvd.local_size() > 1:
+    checks.append(check_node_groups_in_a_user_world)
 for check in checks:
     if not only or check.__name__ in only:
         check()

@@ -101,8 +101,8 @@ class FlatGroup:
         if self.placement == "direct":
             return grads
         if self._host_grad is None:
-            self._host_grad = torch.empty_like(grads, device="cpu",
-                                               pin_memory=self.device.type == "cuda")
+            self._host_grad = torch.empty(self.numel, dtype=grads.dtype,
+                                          pin_memory=self.device.type == "cuda")
         self._host_grad.copy_(grads)
         return self._host_grad.numpy()
 

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from hvd_sgp.common import runtime
+from hvd_sgp.common.errors import SgpValueError
 
 _group = None
 
@@ -29,16 +30,33 @@ def _free_port() -> int:
 def _node_group():
     global _group
     if _group is None:
-        local = runtime.local_comm()
-        port = local.bcast(_free_port() if local.Get_rank() == 0 else None, root=0)
-        store = dist.TCPStore("127.0.0.1", port, local.Get_size(), local.Get_rank() == 0)
-        if dist.is_initialized():
-            _group = dist.new_group(backend="nccl")
-        else:
-            dist.init_process_group("nccl", store=store, rank=local.Get_rank(),
-                                    world_size=local.Get_size())
-            _group = dist.group.WORLD
+        _group = _user_world_subgroup() if dist.is_initialized() else _own_node_world()
     return _group
+
+
+def _own_node_world():
+    """A torch.distributed world of this node's ranks only."""
+    local = runtime.local_comm()
+    port = local.bcast(_free_port() if local.Get_rank() == 0 else None, root=0)
+    store = dist.TCPStore("127.0.0.1", port, local.Get_size(), local.Get_rank() == 0)
+    dist.init_process_group("nccl", store=store, rank=local.Get_rank(),
+                            world_size=local.Get_size())
+    return dist.group.WORLD
+
+
+def _user_world_subgroup(backend: str = "nccl"):
+    """The script started torch.distributed itself: split its world into one group per node
+    (every rank takes part in creating every group, as torch requires)."""
+    world = runtime.world_comm()
+    if dist.get_world_size() != world.Get_size():
+        raise SgpValueError(
+            f"torch.distributed was initialized with {dist.get_world_size()} ranks but MPI has "
+            f"{world.Get_size()}; hvd_sgp needs the same processes in both")
+    members = world.allgather((runtime.cross_rank(), dist.get_rank()))
+    nodes = [[rank for node, rank in members if node == index]
+             for index in range(runtime.cross_size())]
+    group, _ = dist.new_subgroups_by_enumeration(nodes, backend=backend)
+    return group
 
 
 def average(flat: torch.Tensor) -> None:
