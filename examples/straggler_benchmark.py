@@ -71,7 +71,7 @@ def main() -> None:
                     f"{args.probability:g}")
         print(f"{hvd.size()} ranks, {who}, {args.params / 1e6:g}M parameters, "
               f"{args.compute_ms:g} ms compute per normal step")
-        print(f"| mode | fast ranks it/s (mean) | slowest fast rank it/s | vs. compute alone |")
+        print("| mode | fast ranks it/s (mean) | slowest fast rank it/s | vs. compute alone |")
         print("| --- | --- | --- | --- |")
         for name, (worst, mean) in results.items():
             print(f"| {name} | {mean:.1f} | {worst:.1f} | {mean / ideal:.2f} |")

@@ -201,7 +201,7 @@ def test_sgp_choices_reach_the_job_environment():
     assert {k: v for k, v in env.items() if k.startswith("HVD_SGP_")} == {
         "HVD_SGP_TOPOLOGY": "exponential", "HVD_SGP_PEERS": "1", "HVD_SGP_OVERLAP": "0",
         "HVD_SGP_MAX_DELAY": "1", "HVD_SGP_TIMEOUT": "2.5", "HVD_SGP_TIMELINE": "tl.json",
-        "HVD_SGP_START_TIMEOUT": "60.0", "HVD_SGP_LOG_LEVEL": "DEBUG", "HVD_SGP_MODE": "dpsgd",
+        "HVD_SGP_MODE": "dpsgd",
         "HVD_SGP_PUSH_SUM": "0", "HVD_SGP_LOCAL_SIZE": "1", "HVD_SGP_METRICS": "m.jsonl",
         "HVD_SGP_METRICS_EVERY": "5"}
     assert env["NCCL_SOCKET_IFNAME"] == "eth1" and env["HOME"] == "/root"

@@ -172,9 +172,10 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-filename",
                         help="per-rank stdout/stderr files are named from this prefix")
     parser.add_argument("--start-timeout", type=_checked(_seconds),
-                        help="seconds for all processes to start (HVD_SGP_START_TIMEOUT)")
+                        help="accepted for horovodrun scripts; no effect (a slow start is bounded "
+                             "by --timeout, the deadline of every wait on a peer)")
     parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS,
-                        help="log level of the job (HVD_SGP_LOG_LEVEL)")
+                        help="accepted for horovodrun scripts; no effect")
     parser.add_argument("--verbose", action="store_true",
                         help="print the launch command before running it")
     parser.add_argument("-cb", "--check-build", action="store_true",
@@ -343,8 +344,6 @@ def sgp_environment(args: argparse.Namespace) -> dict[str, str]:
         "HVD_SGP_METRICS": args.metrics,
         "HVD_SGP_METRICS_EVERY": args.metrics_every,
         "HVD_SGP_TIMELINE": args.timeline_filename,
-        "HVD_SGP_START_TIMEOUT": args.start_timeout,
-        "HVD_SGP_LOG_LEVEL": args.log_level,
     }
     return {name: str(value) for name, value in chosen.items() if value is not None}
 
