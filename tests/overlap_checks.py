@@ -46,10 +46,13 @@ def check_conservation_and_no_deadlock(tau):
     for k in range(steps):
         time.sleep(rng.uniform(0, 2e-4))
         mixer.mix()
+        assert len(mixer.in_flight) <= tau, len(mixer.in_flight)  # memory stays bounded
         if k % 250 == 0 or k == steps - 1:
             now = mass(buf, mixer)
             worst = max(worst, np.abs(now - start).max() / np.abs(start).max())
     assert worst < 1e-12, worst
+    slots = len(mixer._slots) + len(mixer._free)
+    assert slots <= tau + 1, slots  # the ring never grew past tau + 1 message copies
     mixer.drain()
     comm.Barrier()
     mixer.drain()  # nothing left after everyone drained: the ledger closes
@@ -58,7 +61,7 @@ def check_conservation_and_no_deadlock(tau):
     truth = start[0] / n / 50
     spread = comm.allreduce(float(np.abs(buf[:-1].mean() - truth)), op=MPI.MAX)
     ok(f"overlap tau={tau}: mass + in flight conserved ({worst:.1e}) over {steps} steps "
-       f"with random delays, no deadlock; consensus error {spread:.1e}")
+       f"with random delays, no deadlock, {slots} message slots; consensus error {spread:.1e}")
 
 
 def check_debias_matters(tau):

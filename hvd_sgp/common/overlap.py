@@ -4,6 +4,10 @@ Iteration k posts its pushes (copies, tagged with k) and receives, then sums in 
 arrived from any earlier iteration, and blocks only for messages of iterations k - max_delay
 and older. Messages can land at any later step, so the weight never stays 1: it always travels.
 Mass in flight is part of the invariant: sum over nodes plus in flight is conserved.
+
+Memory is bounded: the copies live in a ring of max_delay + 1 reused slots, and a node also
+waits for its own pushes of iteration k - max_delay to be taken (its out-peers have reached
+that iteration), so at most max_delay iterations stay out between steps.
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from typing import Optional
 from hvd_sgp.common.compression import Codec
 from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.common.mpi import MPI
-from hvd_sgp.common.pushsum import PushSumMixer
+from hvd_sgp.common.pushsum import PushSumMixer, Slot
 from hvd_sgp.common.topology import Topology
 from hvd_sgp.common.transport import Pending, PeerTransport, Progress
 
@@ -31,12 +35,19 @@ class OverlapMixer(PushSumMixer):
         self.progress = progress
         self.max_delay = max_delay
         self.in_flight: deque[Pending] = deque()
+        self._slots: dict[int, Slot] = {}  # by iteration, for the pendings in flight
+        self._free: list[Slot] = []
 
     def mix(self) -> None:
-        pending = self.begin(detach=True)
+        slot = self._free.pop() if self._free else Slot(self.kit, self.buffer)
+        pending = self.begin(slot)
+        self._slots[pending.iteration] = slot
         self.progress.submit(pending)
         self.in_flight.append(pending)
         self._collect(stale=self.iteration - self.max_delay)
+        while len(self.in_flight) > self.max_delay:  # its receives are in: wait for its sends
+            self.progress.wait_all(self.in_flight[0])
+            self._release()
         self.iteration += 1
         self.settle()
 
@@ -46,7 +57,7 @@ class OverlapMixer(PushSumMixer):
         self._collect(stale=self.iteration)
         for pending in self.in_flight:
             self.progress.wait_all(pending)
-        self.in_flight.clear()
+        self._release()
         self.settle()
 
     def _rebias(self) -> None:
@@ -59,8 +70,12 @@ class OverlapMixer(PushSumMixer):
             if pending.iteration <= stale:
                 self.progress.wait_receives(pending)
             self._add_arrived(pending)
+        self._release()
+
+    def _release(self) -> None:
+        """Retire settled iterations from the front, returning their slots to the ring."""
         while self.in_flight and self._settled(self.in_flight[0]):
-            self.in_flight.popleft()
+            self._free.append(self._slots.pop(self.in_flight.popleft().iteration))
 
     def _add_arrived(self, pending: Pending) -> None:
         # receives come first in a Pending, one per row of pending.received

@@ -89,6 +89,28 @@ def exact_average(buffer, cross: MPI.Comm, local: Optional[MPI.Comm]) -> None:
     part.gather()
 
 
+class Slot:
+    """Message storage of one iteration: send copies and receive rows, allocated on first use
+    and reused by later iterations (the synchronous mixer keeps one; Overlap SGP a ring of
+    them), so a step allocates nothing."""
+
+    def __init__(self, kit, like):
+        self.kit, self.like = kit, like
+        self.sends: dict[int, object] = {}
+        self.rows = None
+
+    def send(self, index: int, size: int, wire: bool):
+        out = self.sends.get(index)
+        if out is None or len(out) != size:
+            out = self.sends[index] = self.kit.empty(self.like, (size,), wire)
+        return out
+
+    def receive(self, rows: int, size: int, wire: bool):
+        if self.rows is None or tuple(self.rows.shape) != (rows, size):
+            self.rows = self.kit.empty(self.like, (rows, size), wire)
+        return self.rows
+
+
 class Audit:
     """Mass ledger for tests: what this node pushed and what it summed in, as (numerators,
     weight). Summed over nodes, sent - received is the mass in flight."""
@@ -133,7 +155,9 @@ class PushSumMixer:
         self._mpi_type = self.kit.mpi_type(buffer)
         self._message = self._message_spec()
         self.audit: Optional[Audit] = None
-        self._received = None
+        self._wire = codec is not None
+        self._size = self.width + (WEIGHT_WORDS if self._wire else int(self.track_weight))
+        self._slot = Slot(self.kit, buffer)  # synchronous iterations reuse one
 
     @property
     def weight(self) -> float:
@@ -159,52 +183,41 @@ class PushSumMixer:
         dtype.Commit()
         return [self.buffer, 1, dtype]
 
-    def _receive_rows(self, rows: int, fresh: bool):
-        """Receive buffers, one row per in-peer: reused across synchronous iterations (no
-        allocation or page faults per step); ``fresh`` when several iterations are in flight."""
-        if not fresh and self._received is not None and len(self._received) == rows:
-            return self._received
-        if self.codec is not None:
-            received = self.kit.empty(self.buffer, (rows, self.width + WEIGHT_WORDS), wire=True)
-        else:
-            width = self.width + (1 if self.track_weight else 0)
-            received = self.kit.empty(self.buffer, (rows, width))
-        if not fresh:
-            self._received = received
-        return received
-
     def mix(self) -> None:
         """One synchronous PushSum iteration over this iteration's graph."""
         self.finish(self.begin())
 
-    def begin(self, detach: bool = False) -> Pending:
+    def begin(self, slot: Optional[Slot] = None) -> Pending:
         """Keep this node's share and post the pushes and receives of the current iteration.
 
-        ``detach`` sends a copy instead of the buffer itself, so the next local steps can run
-        while the pushes are in flight (Overlap SGP).
+        Pushes read the buffer itself where they can (``finish`` completes them before the
+        next local step). With a ``slot`` (Overlap SGP) they are copies in it instead, so the
+        next local steps can run while they are in flight; the slot stays untouched until the
+        returned requests complete.
         """
+        detach = slot is not None
+        slot = slot if detach else self._slot
         phase = self.topology.phase(self.iteration)
         out_peers, in_peers = phase.out_peers[self.node], phase.in_peers(self.node)
         shares = phase.out_weights[self.node]
         shard = self.buffer[self.start:self.stop]
         # an untracked weight stays 1 in the buffer; the share arithmetic runs on a scratch copy
-        slot = self.buffer[self.n:] if self.track_weight else self.kit.ones(self.buffer, 1)
-        weight = float(slot[0])
+        weight = self.buffer[self.n:] if self.track_weight else self.kit.ones(self.buffer, 1)
+        scale = float(weight[0])
         keep = phase.self_weights[self.node]
         if phase.uniform_out(self.node):  # own share == every peer's share: one message
-            shard *= weight * keep
-            slot *= keep
-            plain = self._snapshot(shard, slot) if detach and out_peers else self._message
-            message = self._encode(shard, slot[0], plain)
+            shard *= scale * keep
+            weight *= keep
+            message = (self._copy(slot, 0, shard, float(weight[0]))
+                       if out_peers and (detach or self._wire) else self._message)
             sends = [(peer, message) for peer in out_peers]
         else:
-            shard *= weight
-            x = self._snapshot(shard, slot)
-            sends = [(peer, self._encode(x[:self.width] * share, slot[0] * share, x * share))
-                     for peer, share in zip(out_peers, shares)]
+            shard *= scale
+            sends = [(peer, self._copy(slot, t, shard, float(weight[0]), share))
+                     for t, (peer, share) in enumerate(zip(out_peers, shares))]
             shard *= keep
-            slot *= keep
-        received = self._receive_rows(len(in_peers), fresh=detach)
+            weight *= keep
+        received = slot.receive(len(in_peers), self._size, self._wire)
         self.kit.ready(self.buffer)
         pending = self.transport.start(self.iteration, sends,
                                        [(peer, received[t]) for t, peer in enumerate(in_peers)])
@@ -214,15 +227,20 @@ class PushSumMixer:
                 self.audit.sent += self._mass(message)
         return pending
 
-    def _snapshot(self, shard, slot):
-        """A contiguous copy of what a push carries (the shard, and the weight if tracked)."""
-        return self.kit.concat([shard, slot]) if self.track_weight else self.kit.copy(shard)
-
-    def _encode(self, values, weight: float, plain):
-        if self.codec is None:
-            return plain
-        out = self.kit.empty(self.buffer, (self.width + WEIGHT_WORDS,), wire=True)
-        self.kit.pack(self.codec, values, float(weight), out)
+    def _copy(self, slot: Slot, index: int, shard, weight: float, share: float = 1.0):
+        """Message ``index`` of this iteration written into ``slot``: share x the shard (encoded
+        when a codec is set) and share x the weight where it travels."""
+        out = slot.send(index, self._size, self._wire)
+        if self._wire:
+            self.kit.pack(self.codec, shard if share == 1.0 else shard * share, weight * share,
+                          out)
+            return out
+        values = out[:self.width]
+        values[...] = shard
+        if share != 1.0:
+            values *= share
+        if self.track_weight:
+            out[self.width] = weight * share
         return out
 
     def finish(self, pending: Pending) -> None:
@@ -262,8 +280,8 @@ class PushSumMixer:
 
     def _mass(self, message) -> np.ndarray:
         """(sum of numerators, weight) carried by one message, for the audit."""
-        if isinstance(message, list):  # [buffer, 1, indexed datatype]: the live shard + slot
-            message = self._snapshot(self.buffer[self.start:self.stop], self.buffer[self.n:])
+        if isinstance(message, list):  # [buffer, 1, indexed datatype]: the live shard + weight
+            message = self.kit.concat([self.buffer[self.start:self.stop], self.buffer[self.n:]])
         if self.codec is not None:
             values, weight = self.kit.unpack(self.codec, message)
             return np.array([self.kit.total(values), weight])
