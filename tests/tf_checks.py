@@ -6,6 +6,7 @@ Prints one line per check (rank 0) and "all tf checks passed on N ranks"; exits 
 the first failure. With N=4 it also re-initialises with two ranks per node to check the exact
 in-node gradient averaging.
 """
+import json
 import os
 import sys
 import tempfile
@@ -280,9 +281,25 @@ def check_options() -> None:
     finally:
         del os.environ["HVD_SGP_TOPOLOGY"]
     check("HVD_SGP_* environment variables are read (a bad topology is named)", from_env)
-    params, opt = sgp_custom_loop(6, 0.1, 0.0, use_tape=False, schedule="0:sgp,3s:allreduce")
-    check("schedule '0:sgp,3s:allreduce': the switch averages the models, then they stay one",
+    log = os.path.join(tempfile.gettempdir(), f"hvd_sgp_tf_metrics_{os.getpid()}.jsonl")
+    log = hvd.broadcast_object(log, root_rank=0)
+    os.environ.update(HVD_SGP_METRICS=log, HVD_SGP_METRICS_EVERY="1")
+    try:
+        params, opt = sgp_custom_loop(6, 0.1, 0.9, use_tape=False,
+                                      schedule="0:sgp,3s:allreduce")
+    finally:
+        del os.environ["HVD_SGP_METRICS"], os.environ["HVD_SGP_METRICS_EVERY"]
+    check("schedule '0:sgp,3s:allreduce' with momentum: the switch averages the models and "
+          "the optimizer's slots, then they stay one",
           same_on_all_ranks(params, 1e-6) and opt.metrics()["mode"] == "allreduce")
+    first = None
+    if hvd.rank() == 0:  # rank 0 writes the log
+        first = json.loads(open(log).readline())
+        os.remove(log)
+    first = hvd.broadcast_object(first, root_rank=0)
+    check("the metrics log gets the learning rate (elastic estimate = deviation / lr)",
+          all(abs(e - d / 0.1) < 1e-6 * max(1.0, e)
+              for e, d in zip(first["elastic"], first["deviation"])))
     check("op=Adasum and non-Keras optimizers are refused",
           raises(lambda: hvdk.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), op=hvd.Adasum),
                  SgpValueError, "Adasum")

@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from hvd_sgp.common import runtime
+from hvd_sgp.common import collectives, runtime
 from hvd_sgp.common.engine import GossipEngine
 from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.common.options import SgpOptions
@@ -96,11 +96,13 @@ class VariableGossip:
             return {"iteration": 0, "epoch": self._epoch, "weights": [1.0] * n}
         return self._engine.state()
 
-    def reduce_gradients(self, grads: Sequence) -> list:
+    def reduce_gradients(self, grads: Sequence, state: Sequence = ()) -> list:
         """Exact in-node average (world average in mode='allreduce'); None stays None.
 
         Under a schedule the engine may switch to AllReduce SGD at this step and average the
-        parameters first; the bridge call then also carries the variables in and out.
+        parameters first; the bridge call then also carries the variables and the optimizer's
+        floating-point ``state`` (momentum, Adam moments) in and out, and the state is averaged
+        too, so every rank takes the same steps from there on.
         """
         grads = [bridge.dense(g) for g in grads]
         options = self.settings.options
@@ -109,13 +111,17 @@ class VariableGossip:
             flats = [bridge.flatten([tf.zeros(self.shapes[i], dtype) if grads[i] is None
                                      else grads[i] for i in idx]) for dtype, idx in self.groups]
             dtypes = [d for d, _ in self.groups]
+            state = [v for v in state if tf.as_dtype(v.dtype).is_floating] if scheduled else []
             if scheduled:
-                flats += self._flat_variables()
-                dtypes += dtypes
+                flats += self._flat_variables() + [tf.convert_to_tensor(v) for v in state]
+                dtypes += dtypes + [tf.as_dtype(v.dtype) for v in state]
             out = bridge.call(self._reduce, flats, dtypes, [f.shape for f in flats],
                               "hvd_sgp reduce_gradients")
             if scheduled:
-                self._assign(out[len(self.groups):])
+                groups = len(self.groups)
+                self._assign(out[groups:2 * groups])
+                for variable, value in zip(state, out[2 * groups:]):
+                    variable.assign(value)
             reduced = list(grads)
             for flat, (_, idx) in zip(out, self.groups):
                 parts = bridge.unflatten(flat, [self.shapes[i] for i in idx])
@@ -127,17 +133,29 @@ class VariableGossip:
         return grads
 
     def _reduce(self, *arrays) -> list[np.ndarray]:
-        grads = [np.array(a) for a in arrays[:len(self.groups)]]  # TF's inputs are read-only
-        variables = arrays[len(self.groups):]
-        if variables:
-            self._load(variables)
+        groups = len(self.groups)
+        grads = [np.array(a) for a in arrays[:groups]]  # TF's inputs are read-only
+        if len(arrays) == groups:
+            for g in grads:
+                self.engine.reduce_gradients(g)
+            return grads
+        self._load(arrays[groups:2 * groups])
+        state = [np.array(a) for a in arrays[2 * groups:]]
+        before = self.engine.stage.mode
+        if self.engine.mode == "allreduce" and before != "allreduce":  # switched at this step
+            state = [collectives.allreduce(a) for a in state]
         for g in grads:
             self.engine.reduce_gradients(g)
-        return grads + [buf[:-1].copy() for buf in self.buffers] if variables else grads
+        return grads + [buf[:-1].copy() for buf in self.buffers] + state
 
-    def communicate(self) -> None:
-        """One PushSum iteration: the variables are replaced by their mixed values."""
-        self._exchange(self._engine_step(GossipEngine.communicate), "hvd_sgp gossip")
+    def communicate(self, lr=None) -> None:
+        """One PushSum iteration: the variables are replaced by their mixed values. ``lr``
+        (the optimizer's learning rate) feeds the metrics log's elastic estimate."""
+        if lr is None:
+            self._exchange(self._engine_step(GossipEngine.communicate), "hvd_sgp gossip")
+        else:
+            self._exchange(self._engine_step(lambda e, rate: e.communicate(float(rate))),
+                           "hvd_sgp gossip", [tf.cast(lr, tf.float64)])
 
     def average(self) -> None:
         """Exact consensus over all ranks (every rank must call it)."""
@@ -160,21 +178,22 @@ class VariableGossip:
             for i, part in zip(idx, bridge.unflatten(flat, [self.shapes[i] for i in idx])):
                 self.variables[i].assign(part)
 
-    def _exchange(self, step, what: str) -> None:
+    def _exchange(self, step, what: str, extra: Sequence[tf.Tensor] = ()) -> None:
+        """Run a bridge ``step`` on the variables' values (and ``extra`` inputs); assign back."""
         flats = self._flat_variables()
-        self._assign(bridge.call(step, flats, [d for d, _ in self.groups],
+        self._assign(bridge.call(step, flats + list(extra), [d for d, _ in self.groups],
                                  [f.shape for f in flats], what))
 
     def _load(self, flats) -> None:
         for buf, flat in zip(self.buffers, flats):
             buf[:-1] = flat
 
-    def _engine_step(self, action: Callable[[GossipEngine], None]):
-        """A bridge function: load the variables' values, run ``action`` on the engine, and
-        return the buffers' (mixed) values to assign back."""
-        def step(*flats) -> list[np.ndarray]:
-            self._load(flats)
-            action(self.engine)
+    def _engine_step(self, action: Callable[..., None]):
+        """A bridge function: load the variables' values, run ``action`` on the engine (with
+        any extra inputs), and return the buffers' (mixed) values to assign back."""
+        def step(*arrays) -> list[np.ndarray]:
+            self._load(arrays[:len(self.groups)])
+            action(self.engine, *arrays[len(self.groups):])
             return [buf[:-1].copy() for buf in self.buffers]
         return step
 

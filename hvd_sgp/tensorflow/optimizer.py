@@ -39,20 +39,32 @@ class _DistributedMixin:
         variables = (list(trainable_variables) if trainable_variables is not None
                      else list(self._trainable_variables))
         gossip = self._sgp_gossip(variables)
-        grads = gossip.reduce_gradients(grads)
+        grads = gossip.reduce_gradients(grads, self._sgp_slots())
         if self._hvd_sgp_sum_micro_steps:  # Keras averages accumulated gradients; Horovod sums
             grads = [None if g is None else g * self._hvd_sgp_passes for g in grads]
         super().apply(grads, trainable_variables)
+        lr = self.learning_rate
+
+        def communicate():
+            gossip.communicate(lr)
+            return tf.constant(True)
+
         if self._hvd_sgp_passes == 1:
-            gossip.communicate()
+            communicate()
         # Gossip only after the passes whose accumulated update was applied (``_iterations``
         # counts passes; Keras' ``iterations`` counts updates).
         elif tf.executing_eagerly():
             if int(self._iterations.numpy()) % self._hvd_sgp_passes == 0:
-                gossip.communicate()
+                communicate()
         else:
-            tf.cond(self._iterations % self._hvd_sgp_passes == 0,
-                    lambda: _run(gossip.communicate), lambda: tf.constant(True))
+            tf.cond(self._iterations % self._hvd_sgp_passes == 0, communicate,
+                    lambda: tf.constant(True))
+
+    def _sgp_slots(self) -> list:
+        """The optimizer's own state (slots such as momentum), without its step counter and
+        learning rate: what a schedule switch into AllReduce averages."""
+        rate = getattr(self, "_learning_rate", None)
+        return [v for v in self.variables if v is not rate and v is not self._iterations]
 
     def _sgp_gossip(self, variables) -> VariableGossip:
         gossip = self._hvd_sgp_gossip
@@ -103,11 +115,6 @@ class _DistributedMixin:
     def load_sgp_state(self, state: dict) -> None:
         """Restore sgp_state(); every rank calls it (it may start the engine, a collective)."""
         self._sgp_built_gossip().engine.load_state(state)
-
-
-def _run(fn) -> tf.Tensor:
-    fn()
-    return tf.constant(True)
 
 
 _CLASSES: dict[type, type] = {}
