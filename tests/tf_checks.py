@@ -359,6 +359,33 @@ def check_keras_fit(reference: float) -> None:
     check_save_load(model, directory)
 
 
+def check_fit_variants() -> None:
+    """Keras fit with several steps per compiled call and under LossScaleOptimizer: the
+    exchange runs at every step (complete graph: all equal one plain fit, step for step)."""
+    x, y, _, _ = keras_digits.load_data(hvd.rank(), hvd.size())
+    x, y = x[:96], y[:96]
+    results = {}
+    for label, steps_per_execution, loss_scale in (("plain", 1, False),
+                                                   ("steps_per_execution=3", 3, False),
+                                                   ("LossScaleOptimizer", 1, True)):
+        tf.keras.utils.set_random_seed(0)
+        model = keras_digits.build_model()
+        base = tf.keras.optimizers.SGD(0.05, momentum=0.9)
+        if loss_scale:
+            base = tf.keras.mixed_precision.LossScaleOptimizer(base)
+        opt = hvdk.DistributedOptimizer(base, topology="complete")
+        model.compile(optimizer=opt, steps_per_execution=steps_per_execution,
+                      loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        results[label] = ([v.numpy() for v in model.trainable_variables],
+                          opt.metrics()["iteration"])
+    params, iterations = results.pop("plain")
+    for label, (other, other_iterations) in results.items():
+        diff = max_diff(other, params)
+        check(f"keras fit with {label}: gossip at every step, same as plain fit",
+              other_iterations == iterations == 6 and diff < 1e-5, f"max |diff| {diff:.1e}")
+
+
 class _SpyInitialState(tf.keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self.weights = [v.numpy() for v in self.model.trainable_variables]
@@ -486,6 +513,7 @@ def main() -> None:
     check_xla_refused()
     reference = reference_accuracy()
     check_keras_fit(reference)
+    check_fit_variants()
     check_tape_loop(reference)
     if n <= 2:  # 4 ranks on a small machine time the machine, not the bridge
         report_bridge_cost()
