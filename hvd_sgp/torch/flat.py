@@ -6,9 +6,9 @@ travel as one message. Where the core mixes it depends on the device (``placemen
 - ``view``: CPU tensors; the core mixes the tensor's own memory through a numpy view.
 - ``direct``: CUDA tensors with a CUDA-aware MPI; the core mixes the tensor itself on the GPU
   (tensor_kit.py) and MPI reads and writes device memory.
-- ``staged``: CUDA tensors otherwise; a pinned host copy is mixed. The copy out runs on a side
-  stream and the host waits only for it; the copy back is queued on the side stream and the
-  compute stream waits for it on the GPU, so the host goes on to the next step at once.
+- ``staged``: other device tensors; a (pinned) host copy is mixed. On CUDA the copy out runs
+  on a side stream and the host waits only for it; the copy back is queued on the side stream
+  and the compute stream waits for it on the GPU, so the host goes on to the next step at once.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def placement(device: torch.device) -> str:
     """Where the core mixes parameters living on ``device`` (see the module docstring)."""
     if device.type == "cpu":
         return "view"
-    return "direct" if runtime.cuda_aware_mpi() else "staged"
+    return "direct" if device.type == "cuda" and runtime.cuda_aware_mpi() else "staged"
 
 
 class FlatGroup:
