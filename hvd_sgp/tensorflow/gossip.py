@@ -101,7 +101,7 @@ class VariableGossip:
 
         Under a schedule the engine may switch to AllReduce SGD at this step and average the
         parameters first; the bridge call then also carries the variables and the optimizer's
-        floating-point ``state`` (momentum, Adam moments) in and out, and the state is averaged
+        floating-point ``state`` variables (momentum, Adam moments) in and out, and the state is averaged
         too, so every rank takes the same steps from there on.
         """
         grads = [bridge.dense(g) for g in grads]
@@ -111,7 +111,7 @@ class VariableGossip:
             flats = [bridge.flatten([tf.zeros(self.shapes[i], dtype) if grads[i] is None
                                      else grads[i] for i in idx]) for dtype, idx in self.groups]
             dtypes = [d for d, _ in self.groups]
-            state = [v for v in state if tf.as_dtype(v.dtype).is_floating] if scheduled else []
+            state = list(state) if scheduled else []
             if scheduled:
                 flats += self._flat_variables() + [tf.convert_to_tensor(v) for v in state]
                 dtypes += dtypes + [tf.as_dtype(v.dtype) for v in state]
@@ -148,14 +148,11 @@ class VariableGossip:
             self.engine.reduce_gradients(g)
         return grads + [buf[:-1].copy() for buf in self.buffers] + state
 
-    def communicate(self, lr=None) -> None:
+    def communicate(self, lr=0.0) -> None:
         """One PushSum iteration: the variables are replaced by their mixed values. ``lr``
         (the optimizer's learning rate) feeds the metrics log's elastic estimate."""
-        if lr is None:
-            self._exchange(self._engine_step(GossipEngine.communicate), "hvd_sgp gossip")
-        else:
-            self._exchange(self._engine_step(lambda e, rate: e.communicate(float(rate))),
-                           "hvd_sgp gossip", [tf.cast(lr, tf.float64)])
+        self._exchange(self._engine_step(lambda e, rate: e.communicate(float(rate))),
+                       "hvd_sgp gossip", [tf.cast(lr, tf.float64)])
 
     def average(self) -> None:
         """Exact consensus over all ranks (every rank must call it)."""

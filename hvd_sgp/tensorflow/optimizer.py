@@ -61,10 +61,11 @@ class _DistributedMixin:
                     lambda: tf.constant(True))
 
     def _sgp_slots(self) -> list:
-        """The optimizer's own state (slots such as momentum), without its step counter and
-        learning rate: what a schedule switch into AllReduce averages."""
+        """The optimizer's floating-point state (slots such as momentum), without its learning
+        rate: what a schedule switch into AllReduce averages."""
         rate = getattr(self, "_learning_rate", None)
-        return [v for v in self.variables if v is not rate and v is not self._iterations]
+        return [v for v in self.variables
+                if v is not rate and tf.as_dtype(v.dtype).is_floating]
 
     def _sgp_gossip(self, variables) -> VariableGossip:
         gossip = self._hvd_sgp_gossip
