@@ -1,96 +1,162 @@
-"""SGP choices: keyword arguments win over HVD_SGP_* environment variables, which win over
-defaults. Parsed and validated once, at optimizer construction."""
+"""The one table of SGP options.
+
+Each option is declared once, in ``OPTIONS``: its keyword, type, default, ``HVD_SGP_*``
+variable, ``sgprun`` flag and help. The ``SgpOptions`` record, the environment map, the
+optimizers' keyword checks and sgprun's flags are all generated from it, so a new option is
+one ``Option(...)`` line plus the code that acts on it. Keywords win over variables, which win
+over defaults; everything is parsed and validated once, at optimizer construction.
+"""
 from __future__ import annotations
 
+import dataclasses
 import os
-from dataclasses import dataclass, fields
-from typing import Any, Optional, Union
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
 
 from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.common.topology import TOPOLOGIES, Topology
 
 MODES = ("sgp", "allreduce", "dpsgd")
-COMPRESSIONS = ("none", "fp16", "bf16")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 
 
-@dataclass
-class SgpOptions:
-    topology: Union[str, Topology] = "exponential"
-    peers: int = 1
-    push_sum: bool = True
-    mode: str = "sgp"
-    overlap: bool = False
-    max_delay: int = 1
-    schedule: Optional[str] = None
-    timeout: float = 300.0
-    metrics: Optional[str] = None
-    metrics_every: int = 10
+@dataclass(frozen=True)
+class Option:
+    """One SGP choice. ``keyword=False`` marks a launch-level option (read by the runtime,
+    not a DistributedOptimizer keyword). ``agree`` says what every rank must share: the
+    value, only whether it is set, or nothing (a per-rank choice such as a timeout)."""
 
-    def describe(self) -> tuple:
-        """What every rank must agree on (compared across ranks at the first step)."""
-        topo = self.topology if isinstance(self.topology, str) else repr(self.topology)
-        return (topo, self.peers, self.push_sum, self.mode, self.overlap, self.max_delay,
-                repr(self.schedule), self.metrics is not None, self.metrics_every)
+    name: str
+    kind: type  # str, int, float or bool
+    default: Any
+    help: str
+    choices: tuple = ()
+    minimum: Optional[float] = None
+    objects: Optional[type] = None  # keyword values of this type are taken as they are
+    keyword: bool = True
+    agree: str = "value"  # "value" | "presence" | "none"
+    metavar: Optional[str] = None
+
+    @property
+    def env(self) -> str:
+        return "HVD_SGP_" + self.name.upper()
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def parse(self, value: Any, source: str) -> Any:
+        """``value`` (a keyword's value or a variable's text) as this option's type, checked;
+        ``source`` names where it came from in the error."""
+        if self.objects is not None and isinstance(value, self.objects):
+            return value
+        if self.kind is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text not in _TRUE + _FALSE:
+                raise SgpValueError(f"{source}={value!r} must be one of 1/0, true/false, "
+                                    "yes/no, on/off")
+            return text in _TRUE
+        if self.kind in (int, float):
+            try:
+                number = self.kind(value)
+                if isinstance(value, bool) or (self.kind is int and number != float(value)):
+                    raise ValueError
+            except (TypeError, ValueError):
+                number = None
+            low = self.minimum
+            if number is None or (low is not None and not number >= low):
+                bound = f" >= {low:g}" if low is not None else ""
+                raise SgpValueError(f"{source}={value!r} must be a{'n' if self.kind is int else ''}"
+                                    f" {self.kind.__name__}{bound}")
+            return number
+        if not isinstance(value, str):
+            kinds = "a string" + (f" or a {self.objects.__name__}" if self.objects else "")
+            raise SgpValueError(f"{source}={value!r} must be {kinds}")
+        if self.choices:
+            value = value.strip().lower()
+            if value not in self.choices:
+                raise SgpValueError(f"{source}={value!r} is unknown; choose one of "
+                                    f"{', '.join(self.choices)}")
+        return value
 
 
-_ENV = {
-    "topology": "HVD_SGP_TOPOLOGY", "peers": "HVD_SGP_PEERS", "push_sum": "HVD_SGP_PUSH_SUM",
-    "mode": "HVD_SGP_MODE", "overlap": "HVD_SGP_OVERLAP", "max_delay": "HVD_SGP_MAX_DELAY",
-    "schedule": "HVD_SGP_SCHEDULE", "timeout": "HVD_SGP_TIMEOUT",
-    "metrics": "HVD_SGP_METRICS", "metrics_every": "HVD_SGP_METRICS_EVERY",
-}
+OPTIONS: tuple[Option, ...] = (
+    Option("topology", str, "exponential", "gossip graph", choices=tuple(sorted(TOPOLOGIES)),
+           objects=Topology),
+    Option("peers", int, 1, "out-peers per iteration", minimum=1),
+    Option("push_sum", bool, True, "de-bias by the PushSum weight (off: the ablation)"),
+    Option("mode", str, "sgp", "exchange after each local step", choices=MODES),
+    Option("overlap", bool, False, "overlap gossip with computation (Overlap SGP)"),
+    Option("max_delay", int, 1, "iterations a message may lag with overlap (tau)", minimum=1),
+    Option("schedule", str, None, "exchange schedule, e.g. '0:allreduce,30:sgp2,60:sgp1'"),
+    Option("timeout", float, 300.0, "seconds to wait on a silent peer before failing",
+           minimum=1e-3, agree="none"),
+    Option("metrics", str, None, "append consensus metrics as JSON lines to this file",
+           agree="presence", metavar="PATH"),
+    Option("metrics_every", int, 10, "steps between metrics records", minimum=1),
+    Option("local_size", int, None, "ranks per SGP node; 1 makes every rank a node",
+           minimum=1, keyword=False),
+)
+BY_NAME = {o.name: o for o in OPTIONS}
+KEYWORDS = tuple(o.name for o in OPTIONS if o.keyword)
 
 
-def _parse_bool(name: str, raw: str) -> bool:
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise SgpValueError(f"{name}={raw!r} must be one of 1/0, true/false, yes/no, on/off")
+def _describe(self) -> tuple:
+    """What every rank must agree on (compared across ranks when the engine starts)."""
+    out = []
+    for name in KEYWORDS:
+        option, value = BY_NAME[name], getattr(self, name)
+        if option.agree == "value":
+            out.append(value if isinstance(value, (str, int, float, type(None))) else repr(value))
+        elif option.agree == "presence":
+            out.append(value is not None)
+    return tuple(out)
 
 
-def _parse_number(name: str, raw: str, kind: type, minimum: float) -> Any:
-    try:
-        value = kind(raw)
-    except (TypeError, ValueError):
-        raise SgpValueError(f"{name}={raw!r} must be a {kind.__name__} >= {minimum}") from None
-    if value < minimum:
-        raise SgpValueError(f"{name}={raw!r} must be a {kind.__name__} >= {minimum}")
-    return value
+SgpOptions = dataclasses.make_dataclass(
+    "SgpOptions", [(name, Any, dataclasses.field(default=BY_NAME[name].default))
+                   for name in KEYWORDS],
+    namespace={"describe": _describe, "__module__": __name__,
+               "__doc__": "The resolved SGP choices of one optimizer (see OPTIONS)."})
 
 
-def resolve(**given: Any) -> SgpOptions:
+def from_environment(name: str, environ: Optional[Mapping[str, str]] = None) -> Any:
+    """One option's value from its variable, or its default when unset or empty."""
+    option = BY_NAME[name]
+    raw = (os.environ if environ is None else environ).get(option.env, "")
+    return option.parse(raw, option.env) if raw.strip() else option.default
+
+
+def resolve(**given: Any) -> "SgpOptions":
     """Options from keywords (None = not given), then the environment, then the defaults."""
+    unknown = sorted(set(given) - set(KEYWORDS))
+    if unknown:
+        raise SgpValueError(f"unknown SGP option(s) {unknown}; the options are "
+                            f"{', '.join(KEYWORDS)}")
     values = {}
-    for f in fields(SgpOptions):
-        keyword = given.pop(f.name, None)
-        env = os.environ.get(_ENV[f.name])
-        if keyword is not None:
-            values[f.name], source = keyword, f.name
-        elif env is not None and env.strip() != "":
-            values[f.name], source = env, _ENV[f.name]
-        else:
-            continue
-        values[f.name] = _coerce(f.name, source, values[f.name])
-    if given:
-        raise SgpValueError(f"unknown SGP option(s) {sorted(given)}")
-    options = SgpOptions(**values)
-    if isinstance(options.topology, str) and options.topology.lower() not in TOPOLOGIES:
-        raise SgpValueError(f"topology {options.topology!r} is unknown; choose one of "
-                            f"{sorted(TOPOLOGIES)} or pass a Topology object")
-    if options.mode not in MODES:
-        raise SgpValueError(f"mode {options.mode!r} is unknown; choose one of {MODES}")
-    return options
+    for name in KEYWORDS:
+        option = BY_NAME[name]
+        keyword = given.get(name)
+        values[name] = (option.parse(keyword, name) if keyword is not None
+                        else from_environment(name))
+    return SgpOptions(**values)
 
 
-def _coerce(name: str, source: str, value: Any) -> Any:
-    if name in ("push_sum", "overlap"):
-        return value if isinstance(value, bool) else _parse_bool(source, str(value))
-    if name in ("peers", "max_delay", "metrics_every"):
-        return _parse_number(source, value, int, 1)
-    if name == "timeout":
-        return _parse_number(source, value, float, 1e-3)
-    if name == "mode":
-        return str(value).strip().lower()
-    return value
+def keyword_help() -> str:
+    """The SGP keywords, one line each (appended to the optimizers' docstrings)."""
+    return "\n".join(f"    {o.name}: {o.help} (default {o.default!r}; {o.env})"
+                     for o in OPTIONS if o.keyword)
+
+
+def environment(chosen: Mapping[str, Any]) -> dict[str, str]:
+    """``{HVD_SGP_*: text}`` for the options given in ``chosen`` (None = not given), as the
+    launcher passes them to every rank."""
+    out = {}
+    for option in OPTIONS:
+        value = chosen.get(option.name)
+        if value is not None:
+            out[option.env] = str(int(value)) if option.kind is bool else str(value)
+    return out

@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
+from hvd_sgp.common import options
 from hvd_sgp.common.errors import NotInitializedError, SgpValueError
 from hvd_sgp.common.mpi import MPI
 
@@ -62,18 +63,12 @@ _state: Optional[_State] = None
 
 
 def _local_split(world: MPI.Comm) -> MPI.Comm:
-    forced = os.environ.get("HVD_SGP_LOCAL_SIZE")
-    if not forced:
+    local_size = options.from_environment("local_size")
+    if local_size is None:
         return world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
-    try:
-        local_size = int(forced)
-    except ValueError:
-        local_size = 0
-    if local_size < 1 or world.Get_size() % local_size:
-        raise SgpValueError(
-            f"HVD_SGP_LOCAL_SIZE={forced!r} must be a positive integer dividing the number "
-            f"of ranks ({world.Get_size()})"
-        )
+    if world.Get_size() % local_size:
+        raise SgpValueError(f"HVD_SGP_LOCAL_SIZE={local_size} must divide the number of ranks "
+                            f"({world.Get_size()})")
     return world.Split(world.Get_rank() // local_size, key=world.Get_rank())
 
 

@@ -24,7 +24,9 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence, TypeVar
 
-from hvd_sgp.common.topology import TOPOLOGIES  # importing the core does not start MPI
+from hvd_sgp.common.errors import SgpValueError
+from hvd_sgp.common.options import OPTIONS  # importing the core does not start MPI
+from hvd_sgp.common.options import environment as options_environment
 from hvd_sgp.version import __version__
 
 FORWARD_PREFIXES = ("HVD_SGP_", "HOROVOD_", "NCCL_")
@@ -181,28 +183,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("-cb", "--check-build", action="store_true",
                         help="show which MPI, frameworks and GPU features are available, and exit")
 
-    sgp = parser.add_argument_group("SGP")
-    sgp.add_argument("--topology", type=str.lower, choices=sorted(TOPOLOGIES),
-                     help="gossip graph (HVD_SGP_TOPOLOGY)")
-    sgp.add_argument("--peers", type=_checked(_count(1)),
-                     help="peers per iteration (HVD_SGP_PEERS)")
-    sgp.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
-                     help="overlap gossip with computation (HVD_SGP_OVERLAP=1/0)")
-    sgp.add_argument("--max-delay", type=_checked(_count(1)),
-                     help="iterations a message may lag with --overlap (HVD_SGP_MAX_DELAY)")
-    sgp.add_argument("--schedule", help="warm-up and peer schedule (HVD_SGP_SCHEDULE)")
-    sgp.add_argument("--timeout", type=_checked(_seconds),
-                     help="seconds to wait on a silent peer before failing (HVD_SGP_TIMEOUT)")
-    sgp.add_argument("--mode", type=str.lower, choices=("sgp", "allreduce", "dpsgd"),
-                     help="exchange after each step (HVD_SGP_MODE)")
-    sgp.add_argument("--push-sum", action=argparse.BooleanOptionalAction, default=None,
-                     help="de-bias by the PushSum weight (HVD_SGP_PUSH_SUM=1/0)")
-    sgp.add_argument("--local-size", type=_checked(_count(1)),
-                     help="ranks per SGP node; 1 makes every rank a node (HVD_SGP_LOCAL_SIZE)")
-    sgp.add_argument("--metrics", metavar="PATH",
-                     help="append consensus metrics as JSON lines here (HVD_SGP_METRICS)")
-    sgp.add_argument("--metrics-every", type=_checked(_count(1)),
-                     help="steps between metrics records (HVD_SGP_METRICS_EVERY)")
+    add_sgp_arguments(parser.add_argument_group("SGP"))
 
     launch = parser.add_argument_group("launcher")
     launch.add_argument("--launcher", choices=("auto", "mpirun", "srun"), default="auto",
@@ -329,23 +310,34 @@ def detect_site(args: argparse.Namespace, env: Mapping[str, str]) -> Site:
     return Site(launcher, flavour, major, physical_cores(), os.geteuid())
 
 
+def add_sgp_arguments(group) -> None:
+    """One flag per option of the SGP options table (its name, with HVD_SGP_* in the help)."""
+    for option in OPTIONS:
+        help_text = f"{option.help} ({option.env})"
+        if option.kind is bool:
+            group.add_argument(option.flag, dest=option.name, default=None, help=help_text,
+                               action=argparse.BooleanOptionalAction)
+            continue
+        parse = (str.lower if option.choices else
+                 _checked(lambda text, o=option: _parsed(o, text)))
+        group.add_argument(option.flag, dest=option.name, type=parse, help=help_text,
+                           choices=option.choices or None, metavar=option.metavar)
+
+
+def _parsed(option, text: str):
+    try:
+        return option.parse(text, option.flag)
+    except SgpValueError as exc:
+        raise ValueError(str(exc).split(": ", 1)[-1]) from None
+
+
 def sgp_environment(args: argparse.Namespace) -> dict[str, str]:
     """The HVD_SGP_* variables that carry sgprun's choices to every rank."""
-    chosen = {
-        "HVD_SGP_TOPOLOGY": args.topology,
-        "HVD_SGP_PEERS": args.peers,
-        "HVD_SGP_OVERLAP": None if args.overlap is None else int(args.overlap),
-        "HVD_SGP_MAX_DELAY": args.max_delay,
-        "HVD_SGP_SCHEDULE": args.schedule,
-        "HVD_SGP_TIMEOUT": args.timeout,
-        "HVD_SGP_MODE": args.mode,
-        "HVD_SGP_PUSH_SUM": None if args.push_sum is None else int(args.push_sum),
-        "HVD_SGP_LOCAL_SIZE": args.local_size,
-        "HVD_SGP_METRICS": args.metrics,
-        "HVD_SGP_METRICS_EVERY": args.metrics_every,
-        "HVD_SGP_TIMELINE": args.timeline_filename,
-    }
-    return {name: str(value) for name, value in chosen.items() if value is not None}
+    chosen = {option.name: getattr(args, option.name) for option in OPTIONS}
+    environ = options_environment(chosen)
+    if args.timeline_filename:
+        environ["HVD_SGP_TIMELINE"] = args.timeline_filename
+    return environ
 
 
 def job_environment(args: argparse.Namespace, env: Mapping[str, str], site: Site) -> dict[str, str]:
