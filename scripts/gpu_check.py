@@ -15,7 +15,7 @@ import torch
 
 import hvd_sgp.torch as hvd
 from hvd_sgp.common import runtime
-from hvd_sgp.common.compression import CODECS, pack
+from hvd_sgp.common.codecs import WEIGHT_BYTES, codec, pack
 from hvd_sgp.torch import flat as flat_module
 from hvd_sgp.torch.tensor_kit import TorchKit
 
@@ -41,12 +41,14 @@ ok("collectives on CUDA tensors")
 
 values = torch.randn(1001, device=device) * 100
 for name in ("fp16", "bf16"):
-    words = torch.empty(1001 + 4, dtype=torch.uint16, device=device)
-    TorchKit().pack(CODECS[name], values, 0.375, words)
-    expected = np.empty(1001 + 4, dtype=np.uint16)
-    pack(CODECS[name], values.cpu().numpy(), 0.375, expected)
+    wire = codec(name)
+    size = wire.nbytes(1001) + WEIGHT_BYTES
+    words = torch.empty(size, dtype=torch.uint8, device=device)
+    TorchKit().pack(wire, values, 0.375, words)
+    expected = np.empty(size, dtype=np.uint8)
+    pack(wire, values.cpu().numpy(), 0.375, expected)
     assert np.array_equal(words.cpu().numpy(), expected), name
-    decoded, weight = TorchKit().unpack(CODECS[name], words)
+    decoded, weight = TorchKit().unpack(wire, words, 1001)
     assert decoded.is_cuda and weight == 0.375
 ok("fp16/bf16 wire messages packed on the GPU equal the numpy codecs' bytes")
 

@@ -1,41 +1,19 @@
-"""Horovod's Compression for torch tensors, plus bf16.
+"""Horovod's Compression for torch tensors, generated from the core's codec registry.
 
-For exact collectives the compressor casts before and after the reduction (16-bit reductions
-run in float32 inside MPI). For SGP gossip the same choice sets the wire codec: parameters
-travel as 16-bit words and the PushSum weight travels exact.
+For exact collectives a cast compressor casts before and after the reduction (16-bit
+reductions run in float32 inside MPI). For SGP gossip the same choice names the wire codec:
+parameters travel encoded and the PushSum weight travels exact.
 """
 from __future__ import annotations
 
 import torch
 
-from hvd_sgp.common.compression import CastCompressor, Compressor
+from hvd_sgp.common.horovod_api.compression import Compressor, namespace
 
+Compression, _classes = namespace(
+    "Choices for ``compression=``, as in horovod.torch.",
+    lambda tensor, dtype: tensor.to(dtype), lambda tensor: tensor.dtype.is_floating_point,
+    {"float16": torch.float16, "bfloat16": torch.bfloat16})
+globals().update(_classes)  # NoneCompressor, FP16Compressor, ... as horovod.torch.compression
 
-class NoneCompressor(Compressor):
-    pass
-
-
-class _TorchCast(CastCompressor):
-    @staticmethod
-    def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return tensor.to(dtype)
-
-    @staticmethod
-    def is_floating(tensor: torch.Tensor) -> bool:
-        return tensor.dtype.is_floating_point
-
-
-class FP16Compressor(_TorchCast):
-    wire, dtype = "fp16", torch.float16
-
-
-class BF16Compressor(_TorchCast):
-    wire, dtype = "bf16", torch.bfloat16
-
-
-class Compression:
-    """Choices for ``compression=``, as in horovod.torch."""
-
-    none = NoneCompressor
-    fp16 = FP16Compressor
-    bf16 = BF16Compressor
+__all__ = ["Compression", "Compressor", *_classes]
