@@ -139,7 +139,7 @@ def check_sharded_node():
 
 
 def check_gossip_average_and_codecs():
-    from hvd_sgp.common.compression import CODECS
+    from hvd_sgp.common.codecs import codec
     values = np.random.default_rng(me).normal(size=(3, 5)).astype(np.float32)
     truth = comm.allreduce(values) / n
     out = gossip_average(values, steps=60)
@@ -148,7 +148,7 @@ def check_gossip_average_and_codecs():
         buf = allocate(15, np.float32)
         buf[:-1] = values.ravel()
         mixer = PushSumMixer(buf, make_topology("complete", n), transport,
-                             codec=CODECS[name], track_weight=True)
+                             codec=codec(name), track_weight=True)
         for _ in range(3):
             mixer.mix()
         tolerance = 2e-3 if name == "fp16" else 2e-2

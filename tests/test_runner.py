@@ -91,9 +91,13 @@ def test_program_arguments_are_left_alone():
     assert launch.parse_args(["-np", "2", "--", "python"]).command == ["python"]
 
 
-def test_launcher_imports_the_core_without_starting_mpi():
+def test_launcher_imports_the_core_without_loading_mpi():
+    """The launcher, the options table and topologies load no MPI library at all; the runtime
+    loads it without starting it."""
     import subprocess, sys
-    code = ("import hvd_sgp.runner.launch, hvd_sgp.common; from mpi4py import MPI; "
+    code = ("import sys, hvd_sgp.runner.launch, hvd_sgp.common, hvd_sgp.common.options, "
+            "hvd_sgp.common.topology; assert 'mpi4py.MPI' not in sys.modules, 'loaded'; "
+            "from hvd_sgp.common import runtime; from mpi4py import MPI; "
             "assert not MPI.Is_initialized(); print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "ok", out.stderr

@@ -1,14 +1,27 @@
-"""The framework-free core: MPI runtime, topologies, PushSum mixing and transport (numpy + mpi4py)."""
-from hvd_sgp.common.errors import (NotInitializedError, PeerTimeoutError, SgpError,
-                                   SgpValueError)
-from hvd_sgp.common.pushsum import PushSumMixer, allocate, average_in_node, gossip_average
-from hvd_sgp.common.runtime import (cross_rank, cross_size, init, is_initialized, local_rank,
-                                    local_size, mpi_threads_supported, rank, shutdown, size)
-from hvd_sgp.common.topology import Topology, make_topology
+"""The framework-free core: MPI runtime, topologies, PushSum mixing and transport (numpy + mpi4py).
 
-__all__ = [
-    "NotInitializedError", "PeerTimeoutError", "SgpError", "SgpValueError", "PushSumMixer",
-    "allocate", "average_in_node", "gossip_average", "cross_rank", "cross_size", "init",
-    "is_initialized", "local_rank", "local_size", "mpi_threads_supported", "rank", "shutdown",
-    "size", "Topology", "make_topology",
-]
+Importing it (or any of its modules but those that mix: pushsum, engine, ...) does not load
+``mpi4py.MPI``: the names below are looked up on first use, so launchers, the simulator's
+topologies and the options table stay MPI-free.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {
+    "NotInitializedError": "errors", "PeerTimeoutError": "errors", "SgpError": "errors",
+    "SgpValueError": "errors", "PushSumMixer": "pushsum", "allocate": "pushsum",
+    "gossip_average": "pushsum", "average_in_node": "node", "cross_rank": "runtime",
+    "cross_size": "runtime", "init": "runtime", "is_initialized": "runtime",
+    "local_rank": "runtime", "local_size": "runtime", "mpi_threads_supported": "runtime",
+    "rank": "runtime", "shutdown": "runtime", "size": "runtime", "Topology": "topology",
+    "make_topology": "topology",
+}
+__all__ = list(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

@@ -2,17 +2,27 @@
 
 The core mixes numpy arrays on the host. An adapter can hand it its own tensors instead (torch
 CUDA tensors given straight to a CUDA-aware MPI, see hvd_sgp/torch/tensor_kit.py) by
-registering a kit for their type; mpi4py takes such tensors through DLPack. The core never
-imports a framework: it only looks the kit up by the buffer's type.
+registering a kit for their type (``register``, called by the adapter when it first builds a
+buffer); mpi4py takes such tensors through DLPack. The core never imports a framework: it only
+looks the kit up by the buffer's type.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from hvd_sgp.common.compression import Codec, pack, unpack
+from hvd_sgp.common import codecs
+from hvd_sgp.common.codecs import Codec
 from hvd_sgp.common.mpi import MPI
+
+WIRE = np.dtype(np.uint8)  # encoded messages are bytes (codecs.py)
+
+
+def mpi_type(dtype: np.dtype) -> MPI.Datatype:
+    """The MPI datatype of a numpy dtype (kits of other array types map to numpy's)."""
+    return MPI._typedict[np.dtype(dtype).char]
 
 
 class ArrayKit:
@@ -22,17 +32,14 @@ class ArrayKit:
         """One contiguous 1-D array (what a PushSum buffer must be)."""
         raise NotImplementedError
 
-    def mpi_type(self, a: Any) -> MPI.Datatype:
+    def numpy_dtype(self, a: Any) -> np.dtype:
         raise NotImplementedError
 
     def empty(self, like: Any, shape: tuple, wire: bool = False) -> Any:
-        """Uninitialised storage beside ``like`` (its dtype, or uint16 words for the wire)."""
+        """Uninitialised storage beside ``like`` (its dtype, or bytes for the wire)."""
         raise NotImplementedError
 
     def ones(self, like: Any, size: int) -> Any:
-        raise NotImplementedError
-
-    def copy(self, a: Any) -> Any:
         raise NotImplementedError
 
     def concat(self, parts: Sequence[Any]) -> Any:
@@ -49,10 +56,17 @@ class ArrayKit:
     def ready(self, a: Any) -> None:
         """Make pending writes to ``a`` visible to MPI (device kits wait for their stream)."""
 
+    @contextlib.contextmanager
+    def for_mpi(self, a: Any) -> Iterator[Any]:
+        """``a`` as MPI may read and write it in place (a host copy written back at exit
+        where MPI cannot reach its memory)."""
+        self.ready(a)
+        yield a
+
     def pack(self, codec: Codec, values: Any, weight: float, out: Any) -> None:
         raise NotImplementedError
 
-    def unpack(self, codec: Codec, message: Any) -> tuple[Any, float]:
+    def unpack(self, codec: Codec, message: Any, n: int) -> tuple[Any, float]:
         raise NotImplementedError
 
 
@@ -60,17 +74,14 @@ class NumpyKit(ArrayKit):
     def is_flat(self, a: np.ndarray) -> bool:
         return a.ndim == 1 and a.flags.c_contiguous
 
-    def mpi_type(self, a: np.ndarray) -> MPI.Datatype:
-        return MPI._typedict[a.dtype.char]
+    def numpy_dtype(self, a: np.ndarray) -> np.dtype:
+        return a.dtype
 
     def empty(self, like: np.ndarray, shape: tuple, wire: bool = False) -> np.ndarray:
-        return np.empty(shape, np.uint16 if wire else like.dtype)
+        return np.empty(shape, WIRE if wire else like.dtype)
 
     def ones(self, like: np.ndarray, size: int) -> np.ndarray:
         return np.ones(size, like.dtype)
-
-    def copy(self, a: np.ndarray) -> np.ndarray:
-        return a.copy()
 
     def concat(self, parts: Sequence[np.ndarray]) -> np.ndarray:
         return np.concatenate(parts)
@@ -81,11 +92,20 @@ class NumpyKit(ArrayKit):
     def to_numpy(self, a: np.ndarray) -> np.ndarray:
         return a.astype(np.float64)
 
-    def pack(self, codec: Codec, values: np.ndarray, weight: float, out: np.ndarray) -> None:
-        pack(codec, values, weight, out)
+    @contextlib.contextmanager
+    def for_mpi(self, a: np.ndarray) -> Iterator[np.ndarray]:
+        if a.flags.c_contiguous:
+            yield a
+            return
+        copy = np.ascontiguousarray(a)
+        yield copy
+        a[...] = copy
 
-    def unpack(self, codec: Codec, message: np.ndarray) -> tuple[np.ndarray, float]:
-        return unpack(codec, message)
+    def pack(self, codec: Codec, values: np.ndarray, weight: float, out: np.ndarray) -> None:
+        codecs.pack(codec, values, weight, out)
+
+    def unpack(self, codec: Codec, message: np.ndarray, n: int) -> tuple[np.ndarray, float]:
+        return codecs.unpack(codec, message, n)
 
 
 NUMPY = NumpyKit()
@@ -93,8 +113,8 @@ _KITS: dict[type, ArrayKit] = {np.ndarray: NUMPY}
 
 
 def register(kind: type, kit: ArrayKit) -> None:
-    """Let the core mix arrays of type ``kind`` (an adapter calls this on import)."""
-    _KITS[kind] = kit
+    """Let the core mix arrays of type ``kind`` (idempotent)."""
+    _KITS.setdefault(kind, kit)
 
 
 def kit_for(a: Any) -> ArrayKit:
@@ -102,5 +122,8 @@ def kit_for(a: Any) -> ArrayKit:
         if kind in _KITS:
             return _KITS[kind]
     raise TypeError(f"hvd_sgp cannot mix buffers of type {type(a).__name__}; use a numpy "
-                    "array or a tensor of a framework whose adapter is imported")
+                    "array or a tensor of a framework whose adapter registered a kit")
 
+
+def mpi_type_of(a: Any) -> MPI.Datatype:
+    return mpi_type(kit_for(a).numpy_dtype(a))

@@ -1,46 +1,82 @@
 """The framework-free SGP driver behind every DistributedOptimizer.
 
 An adapter hands it flat buffers (one per dtype: parameters + weight slot, see
-pushsum.allocate; numpy, or device tensors of a registered kit, see arrays.py) and, each step,
-flat gradients. The engine averages gradients exactly inside
-the node (or across the world in ``mode='allreduce'``), and after the adapter's local step runs
-the current stage's exchange: PushSum over the cross-node graph (``sgp``, synchronous or
-overlapped), symmetric pairwise averaging (``dpsgd``) or nothing (``allreduce``). A schedule
-switches between stages at epoch or step boundaries, keeping ranks consistent.
+pushsum.allocate; numpy, or device tensors of a registered kit, see arrays.py) and drives each
+step explicitly:
+
+    plan = engine.begin_step(optimizer_state)   # schedule switch, if one is due
+    if plan.reduce: engine.reduce_gradients(flat_grads)
+    ...the adapter's local optimizer step...
+    engine.end_step(lr)                         # this stage's exchange
+
+Every operation on the buffers runs inside the adapter's ``BufferAccess``, which makes the
+buffers hold the framework's current parameters before and writes them back after (a copy for
+staged device tensors and TF variables; nothing where the buffers are the parameters' memory).
+The exchange is PushSum over the cross-node graph (``sgp``, synchronous or overlapped),
+symmetric pairwise averaging (``dpsgd``) or nothing (``allreduce``, where the gradients were
+averaged over the world instead).
 """
 from __future__ import annotations
 
 import atexit
 import sys
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence, TypeVar
 
 import numpy as np
 
 from hvd_sgp.common import runtime, schedule, telemetry
 from hvd_sgp.common.arrays import kit_for
-from hvd_sgp.common.compression import CODECS
+from hvd_sgp.common.codecs import Codec, codec as make_codec
 from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.common.mpi import MPI
+from hvd_sgp.common.node import average_arrays, average_in_node, exact_average
 from hvd_sgp.common.options import SgpOptions
 from hvd_sgp.common.overlap import OverlapMixer
-from hvd_sgp.common.pushsum import PushSumMixer, average_in_node, exact_average
+from hvd_sgp.common.pushsum import PushSumMixer, drain, exchange
 from hvd_sgp.common.topology import BipartiteExponentialGraph, make_topology
 from hvd_sgp.common.transport import PeerTransport, Progress
+
+T = TypeVar("T")
+
+
+class BufferAccess(Protocol):
+    """How the engine reaches the parameters: ``run(action)`` runs ``action`` while the
+    buffers hold the framework's current parameters, and writes the buffers back after."""
+
+    def run(self, action: Callable[[], T]) -> T: ...
+
+
+class DirectAccess:
+    """The buffers are the parameters' own memory (numpy views, CUDA-aware device tensors)."""
+
+    def run(self, action: Callable[[], T]) -> T:
+        return action()
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What the coming step does, as begin_step decided it."""
+
+    mode: str  # the exchange after the local step: "sgp", "dpsgd" or "allreduce"
+    reduce: bool  # gradients must be averaged first (over the world in allreduce, else the node)
+    entered_allreduce: bool  # switched into AllReduce SGD: parameters and state were averaged
 
 
 class GossipEngine:
     """SGP state of one optimizer on this rank."""
 
-    def __init__(self, buffers: Sequence, options: SgpOptions,
-                 signature: Sequence[tuple], compression: str = "none"):
+    def __init__(self, buffers: Sequence, options: SgpOptions, signature: Sequence[tuple],
+                 codec: "str | Codec" = "none", access: BufferAccess = DirectAccess()):
         self.options = options
         self.buffers = list(buffers)
+        self.access = access
         self.world = runtime.world_comm()
         self.local = runtime.local_comm()
         self.cross = runtime.cross_comm()
+        self.codec = make_codec(codec)
         check_consistent(self.world, [tuple(map(str, s)) for s in signature],
-                         options.describe() + (compression,))
-        self.codec = CODECS[compression]
+                         options.describe() + (self.codec.spec,))
         self.stages = (schedule.parse(options.schedule) if options.schedule else
                        [schedule.Stage(0, "epoch", options.mode, options.peers, options.overlap)])
         if any(s.overlap for s in self.stages) and not runtime.mpi_threads_supported():
@@ -62,19 +98,28 @@ class GossipEngine:
         self.steps = 0
         self.stage = None
         self.mixers: list[PushSumMixer] = []
+        self._depth = 0  # nesting of _live: only the outermost call goes through access
+        self._closed = False
         self._enter(schedule.current(self.stages, 0, 0))
         if self.cross.Get_size() == 1 and self.world.Get_size() > 1 and self.world.Get_rank() == 0:
             print(f"hvd_sgp: all {self.world.Get_size()} ranks share one node, so gradients are "
                   "averaged exactly and nothing is gossiped; set HVD_SGP_LOCAL_SIZE=1 to make "
                   "every rank its own SGP node", file=sys.stderr, flush=True)
 
+    def _live(self, action: Callable[[], T]) -> T:
+        """Run ``action`` with the buffers holding the parameters (see BufferAccess)."""
+        if self._depth:
+            return action()
+        self._depth += 1
+        try:
+            return self.access.run(action)
+        finally:
+            self._depth -= 1
+
     # --- stages ---------------------------------------------------------------------------
     @property
     def mode(self) -> str:
-        """The exchange of the current step (after any schedule switch)."""
-        wanted = schedule.current(self.stages, self.epoch, self.steps)
-        if wanted != self.stage:
-            self._enter(wanted)
+        """The exchange of the current stage."""
         return self.stage.mode
 
     @property
@@ -84,11 +129,14 @@ class GossipEngine:
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
 
-    def _enter(self, stage: schedule.Stage) -> None:
+    def _enter(self, stage: schedule.Stage,
+               optimizer_state: Callable[[], Sequence] = tuple) -> None:
         """Switch exchange; every rank switches at the same step, so they stay consistent."""
         self.drain()
         if self.stage is not None and stage.mode == "allreduce" and self.stage.mode != "allreduce":
-            self.average_parameters()  # AllReduce SGD must start from identical parameters
+            # AllReduce SGD must start from identical parameters and optimizer state
+            self.average_parameters()
+            average_arrays(list(optimizer_state()), self.world)
         was_tracking = self.stage is not None and self.tracks_weight
         self.stage = stage
         nodes = self.cross.Get_size()
@@ -115,9 +163,26 @@ class GossipEngine:
             self.average_parameters()  # the new stage assumes weight 1: fold it in exactly
 
     # --- the step -----------------------------------------------------------------------
+    def begin_step(self, optimizer_state: Callable[[], Sequence] = tuple) -> StepPlan:
+        """Switch stage where the schedule says so, and say what this step does.
+
+        Entering AllReduce SGD averages the parameters and the arrays ``optimizer_state()``
+        returns (momentum, Adam moments: arrays of any registered kit), in place on every rank,
+        so that all ranks take the same steps from there on.
+        """
+        wanted = schedule.current(self.stages, self.epoch, self.steps)
+        entered = False
+        if wanted != self.stage:
+            entered = wanted.mode == "allreduce" and self.stage.mode != "allreduce"
+            self._live(lambda: self._enter(wanted, optimizer_state))
+        mode = self.stage.mode
+        reduce = ((mode == "allreduce" and self.world.Get_size() > 1)
+                  or self.local.Get_size() > 1)
+        return StepPlan(mode, reduce, entered)
+
     def reduce_gradients(self, grads) -> None:
         """Average gradients in place: over the node, or over the world for AllReduce SGD."""
-        if self.mode == "allreduce":
+        if self.stage.mode == "allreduce":
             if self.world.Get_size() > 1:
                 kit_for(grads).ready(grads)
                 self.world.Allreduce(MPI.IN_PLACE, grads, op=MPI.SUM)
@@ -125,30 +190,22 @@ class GossipEngine:
         else:
             average_in_node(grads, self.local)
 
-    def communicate(self, lr: float = 0.0) -> None:
+    def end_step(self, lr: float = 0.0) -> None:
         """The exchange that follows each local step (``lr``: for the consensus metrics)."""
-        mode = self.mode
+        self._live(lambda: self._end_step(lr))
+
+    def _end_step(self, lr: float) -> None:
+        mode = self.stage.mode
         self.steps += 1
         if self.timeline is not None:
             self.timeline.step_boundary(self.steps)
             with self.timeline.span("send/receive", step=self.steps, mode=mode):
-                self._exchange(mode)
+                exchange(self.mixers)
             self.timeline.resume_compute()
         else:
-            self._exchange(mode)
+            exchange(self.mixers)
         if self.metrics_log is not None:
             self.metrics_log.record(self.steps, self.parameters(), float(self.buffers[0][-1]), lr)
-
-    def _exchange(self, mode: str) -> None:
-        if mode == "allreduce":
-            return
-        if self.stage.overlap:
-            for mixer in self.mixers:
-                mixer.mix()
-            return
-        pending = [mixer.begin() for mixer in self.mixers]
-        for mixer, p in zip(self.mixers, pending):
-            mixer.finish(p)
 
     def parameters(self) -> np.ndarray:
         """All de-biased parameters as one host vector (a view for one numpy buffer)."""
@@ -159,41 +216,49 @@ class GossipEngine:
     def consensus(self, lr: float = 0.0) -> dict:
         """On request, one allreduce: this rank's deviation from the network mean, the
         consensus distance and the elastic-consistency estimate (max deviation / lr)."""
-        self.drain()
-        result = telemetry.consensus(self.parameters(), self.world)
-        result["elastic"] = self.elastic.update(result["deviation"], lr)
-        return result
+        def measure() -> dict:
+            drain(self.mixers)
+            result = telemetry.consensus(self.parameters(), self.world)
+            result["elastic"] = self.elastic.update(result["deviation"], lr)
+            return result
+        return self._live(measure)
 
     def drain(self) -> None:
         """Complete every exchange in flight (only Overlap SGP leaves any between steps)."""
-        for mixer in self.mixers:
-            if isinstance(mixer, OverlapMixer):
-                mixer.drain()
+        self._live(lambda: drain(self.mixers))
 
     def average_parameters(self) -> None:
         """Exact consensus: every rank gets sum_i(w_i z_i) / sum_i(w_i), and weight 1."""
-        self.drain()
-        for buf in self.buffers:
-            exact_average(buf, self.cross, self.local)
+        def average() -> None:
+            drain(self.mixers)
+            for buf in self.buffers:
+                exact_average(buf, self.cross, self.local)
+        self._live(average)
 
     # --- state and figures ---------------------------------------------------------------
     def state(self) -> dict:
-        self.drain()
-        return {"iteration": self.steps, "epoch": self.epoch,
-                "weights": [float(b[-1]) for b in self.buffers]}
+        """The checkpoint contract of both frameworks: PushSum weights, iteration, epoch."""
+        def read() -> dict:
+            drain(self.mixers)
+            return {"iteration": self.steps, "epoch": self.epoch,
+                    "weights": [float(b[-1]) for b in self.buffers]}
+        return self._live(read)
 
     def load_state(self, state: dict) -> None:
         weights = state["weights"]
         if len(weights) != len(self.buffers):
             raise SgpValueError(f"checkpoint has {len(weights)} PushSum buffers, this model "
                                 f"has {len(self.buffers)}")
-        self.drain()
-        self.steps = int(state["iteration"])
-        self.epoch = int(state.get("epoch", 0))
-        for buf, w in zip(self.buffers, weights):
-            buf[-1] = w
-        self.stage, self.mixers = None, []  # restoring, not switching: nothing to average
-        self._enter(schedule.current(self.stages, self.epoch, self.steps))
+
+        def load() -> None:
+            drain(self.mixers)
+            self.steps = int(state["iteration"])
+            self.epoch = int(state.get("epoch", 0))
+            for buf, w in zip(self.buffers, weights):
+                buf[-1] = w
+            self.stage, self.mixers = None, []  # restoring, not switching: nothing to average
+            self._enter(schedule.current(self.stages, self.epoch, self.steps))
+        self._live(load)
 
     def metrics(self) -> dict:
         """Cheap per-rank figures (no communication)."""
@@ -205,7 +270,11 @@ class GossipEngine:
                 "mode": self.stage.mode, "overlap": self.stage.overlap}
 
     def close(self) -> None:
-        self.drain()
+        """Stop the progress thread and release the communicator (no communication: it also
+        runs when the optimizer is collected, on one rank only)."""
+        if self._closed:
+            return
+        self._closed = True
         if self.timeline is not None:
             self.timeline.close()
         if self.progress is not None:

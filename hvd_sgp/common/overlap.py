@@ -14,20 +14,22 @@ from __future__ import annotations
 from collections import deque
 from typing import Optional
 
-from hvd_sgp.common.compression import Codec
+from hvd_sgp.common.codecs import Codec
 from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.pushsum import PushSumMixer, Slot
 from hvd_sgp.common.topology import Topology
-from hvd_sgp.common.transport import Pending, PeerTransport, Progress
+from hvd_sgp.common.transport import Pending, ProgressEngine, Transport
 
 
 class OverlapMixer(PushSumMixer):
-    """One buffer's Overlap SGP state; ``progress`` is the background thread moving messages."""
+    """One buffer's Overlap SGP state; ``progress`` moves its messages while the node computes."""
 
-    def __init__(self, buffer, topology: Topology, transport: PeerTransport,
-                 progress: Progress, local: Optional[MPI.Comm] = None, push_sum: bool = True,
-                 codec: Optional[Codec] = None, max_delay: int = 1):
+    overlapped = True
+
+    def __init__(self, buffer, topology: Topology, transport: Transport,
+                 progress: ProgressEngine, local: Optional[MPI.Comm] = None,
+                 push_sum: bool = True, codec: Optional[Codec] = None, max_delay: int = 1):
         if max_delay < 1:
             raise SgpValueError(f"max_delay must be >= 1 for Overlap SGP, got {max_delay}")
         super().__init__(buffer, topology, transport, local, push_sum, codec,

@@ -15,16 +15,17 @@ torch CUDA tensors go to a CUDA-aware MPI without a host copy.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
-from hvd_sgp.common.arrays import kit_for
-from hvd_sgp.common.compression import WEIGHT_WORDS, Codec
+from hvd_sgp.common.arrays import kit_for, mpi_type_of
+from hvd_sgp.common.codecs import WEIGHT_BYTES, Codec, codec as make_codec
 from hvd_sgp.common.errors import SgpError, SgpValueError
 from hvd_sgp.common.mpi import MPI
+from hvd_sgp.common.node import NodeShard
 from hvd_sgp.common.topology import Topology, make_topology
-from hvd_sgp.common.transport import Pending, PeerTransport
+from hvd_sgp.common.transport import Pending, PeerTransport, Transport
 
 
 def allocate(n: int, dtype=np.float32) -> np.ndarray:
@@ -32,61 +33,6 @@ def allocate(n: int, dtype=np.float32) -> np.ndarray:
     buf = np.zeros(n + 1, dtype=dtype)
     buf[n] = 1
     return buf
-
-
-def shard_bounds(n: int, parts: int, index: int) -> tuple[int, int]:
-    """Start and end of shard ``index`` when n elements are cut into ``parts`` near-equal runs."""
-    base, extra = divmod(n, parts)
-    start = index * base + min(index, extra)
-    return start, start + base + (1 if index < extra else 0)
-
-
-def average_in_node(array, local: MPI.Comm) -> None:
-    """Exact in-place average over the ranks of one node (gradients before the local step)."""
-    if local.Get_size() > 1:
-        kit_for(array).ready(array)
-        local.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
-        array /= local.Get_size()
-
-
-class NodeShard:
-    """The run of the buffer this local rank carries across nodes (all of it when the node has
-    one rank), and the in-node gather that reassembles the whole buffer afterwards."""
-
-    def __init__(self, buffer, local: Optional[MPI.Comm]):
-        self.buffer = buffer
-        self.kit = kit_for(buffer)
-        n = len(buffer) - 1
-        self.local = local if local is not None and local.Get_size() > 1 else None
-        parts, index = (self.local.Get_size(), self.local.Get_rank()) if self.local else (1, 0)
-        self.start, self.stop = shard_bounds(n, parts, index)
-        bounds = [shard_bounds(n, parts, r) for r in range(parts)]
-        self._spec = [buffer, [b - a for a, b in bounds], [a for a, _ in bounds],
-                      self.kit.mpi_type(buffer)]
-
-    def gather(self) -> None:
-        if self.local is not None:
-            self.kit.ready(self.buffer)
-            self.local.Allgatherv(MPI.IN_PLACE, self._spec)
-
-
-def exact_average(buffer, cross: MPI.Comm, local: Optional[MPI.Comm]) -> None:
-    """Exact consensus: every node gets sum_i(w_i z_i) / sum_i(w_i), and weight 1.
-
-    Local rank l averages shard l with the same shard of every other node, weighted by its own
-    PushSum weight (the one that shard carried: under overlap the local ranks' weights differ),
-    then the node gathers the shards.
-    """
-    part = NodeShard(buffer, local)
-    shard = buffer[part.start:part.stop]
-    weight = float(buffer[-1])
-    shard *= weight
-    if cross.Get_size() > 1:
-        part.kit.ready(buffer)
-        cross.Allreduce(MPI.IN_PLACE, shard, op=MPI.SUM)
-    shard /= cross.allreduce(weight)
-    buffer[-1] = 1
-    part.gather()
 
 
 class Slot:
@@ -124,12 +70,12 @@ class PushSumMixer:
     """The mixing state of one node; ``transport`` reaches the other nodes (over MPI: the cross
     communicator, one rank per node; in the simulator: in-process mailboxes).
 
-    ``codec`` (see compression.py) sends parameters as fp16/bf16; the weight then travels exact
-    beside them, and receivers accumulate in the buffer's precision. ``track_weight`` forces the
-    weight on (or off) instead of deciding from the graph.
+    A ``codec`` other than the identity (see codecs.py) encodes the pushed parameters; the
+    weight then travels exact beside them, and receivers accumulate in the buffer's precision.
+    ``track_weight`` forces the weight on (or off) instead of deciding from the graph.
     """
 
-    def __init__(self, buffer, topology: Topology, transport: PeerTransport,
+    def __init__(self, buffer, topology: Topology, transport: Transport,
                  local: Optional[MPI.Comm] = None, push_sum: bool = True,
                  codec: Optional[Codec] = None, track_weight: Optional[bool] = None):
         self.kit = kit_for(buffer)
@@ -147,16 +93,17 @@ class PushSumMixer:
         # None: skip the weight where it provably stays 1 (doubly stochastic, synchronous).
         self.track_weight = (push_sum and not topology.doubly_stochastic
                              if track_weight is None else track_weight and push_sum)
-        self.codec = codec
+        self.codec = make_codec(codec)
         self.iteration = 0
         self.transport = transport
         self.part = NodeShard(buffer, local)
         self.start, self.stop = self.part.start, self.part.stop
-        self._mpi_type = self.kit.mpi_type(buffer)
+        self._mpi_type = mpi_type_of(buffer)
+        self._wire = not self.codec.exact
         self._message = self._message_spec()
         self.audit: Optional[Audit] = None
-        self._wire = codec is not None
-        self._size = self.width + (WEIGHT_WORDS if self._wire else int(self.track_weight))
+        self._size = (self.codec.nbytes(self.width) + WEIGHT_BYTES if self._wire
+                      else self.width + int(self.track_weight))
         self._slot = Slot(self.kit, buffer)  # synchronous iterations reuse one
 
     @property
@@ -175,7 +122,7 @@ class PushSumMixer:
     def _message_spec(self):
         """What one uncompressed push sends: the shard, plus the weight slot when tracked."""
         shard = self.buffer[self.start:self.stop]
-        if self.codec is not None or not self.track_weight:
+        if self._wire or not self.track_weight:
             return shard
         if self.start == 0 and self.stop == self.n:
             return self.buffer
@@ -183,9 +130,14 @@ class PushSumMixer:
         dtype.Commit()
         return [self.buffer, 1, dtype]
 
+    overlapped = False  # iterations complete within mix(): nothing stays in flight
+
     def mix(self) -> None:
         """One synchronous PushSum iteration over this iteration's graph."""
         self.finish(self.begin())
+
+    def drain(self) -> None:
+        """Nothing is in flight between synchronous iterations."""
 
     def begin(self, slot: Optional[Slot] = None) -> Pending:
         """Keep this node's share and post the pushes and receives of the current iteration.
@@ -261,15 +213,15 @@ class PushSumMixer:
         shard = self.buffer[self.start:self.stop]
         weights = []
         for row, source in zip(received, sources):
-            if self.codec is None:
+            if not self._wire:
                 values = row[:self.width]
                 weights.append(row[self.width] if self.track_weight else 1.0)
             else:
-                values, weight = self.kit.unpack(self.codec, row)
+                values, weight = self.kit.unpack(self.codec, row, self.width)
                 weights.append(weight)
             if not math.isfinite(self.kit.total(values)):
-                raise SgpError(f"received NaN or infinite parameters from rank "
-                               f"{self.transport.world_ranks[source]} at iteration "
+                raise SgpError(f"received NaN or infinite parameters from "
+                               f"{self.transport.peer_name(source)} at iteration "
                                f"{self.iteration}: that rank diverged")
             shard += values
             if self.audit is not None:
@@ -282,8 +234,8 @@ class PushSumMixer:
         """(sum of numerators, weight) carried by one message, for the audit."""
         if isinstance(message, list):  # [buffer, 1, indexed datatype]: the live shard + weight
             message = self.kit.concat([self.buffer[self.start:self.stop], self.buffer[self.n:]])
-        if self.codec is not None:
-            values, weight = self.kit.unpack(self.codec, message)
+        if self._wire:
+            values, weight = self.kit.unpack(self.codec, message, self.width)
             return np.array([self.kit.total(values), weight])
         weight = float(message[self.width]) if self.track_weight else 0.0
         return np.array([self.kit.total(message[:self.width]), weight])
@@ -291,12 +243,31 @@ class PushSumMixer:
     def _check_weights(self, weights, sources) -> None:
         for w, peer in zip(weights, sources):
             if not math.isfinite(float(w)) or w <= 0:
-                raise SgpError(f"received PushSum weight {float(w)!r} from rank "
-                               f"{self.transport.world_ranks[peer]} at "
+                raise SgpError(f"received PushSum weight {float(w)!r} from "
+                               f"{self.transport.peer_name(peer)} at "
                                f"iteration {self.iteration}: the sender diverged (NaN/inf)")
         own = float(self.buffer[self.n])
         if not math.isfinite(own) or own <= 0:
             raise SgpError(f"own PushSum weight is {own!r} at iteration {self.iteration}")
+
+
+def exchange(mixers: Sequence[PushSumMixer]) -> None:
+    """One iteration of every mixer (one per buffer, or per simulated node): synchronous ones
+    post all their messages before any waits, so several buffers' pushes travel together;
+    overlapped ones each post theirs and sum in what has arrived."""
+    if mixers and mixers[0].overlapped:
+        for mixer in mixers:
+            mixer.mix()
+        return
+    pending = [mixer.begin() for mixer in mixers]
+    for mixer, p in zip(mixers, pending):
+        mixer.finish(p)
+
+
+def drain(mixers: Sequence[PushSumMixer]) -> None:
+    """Sum in every message still in flight (only Overlap SGP leaves any between steps)."""
+    for mixer in mixers:
+        mixer.drain()
 
 
 def gossip_average(values: np.ndarray, steps: int, topology="exponential", peers: int = 1,

@@ -10,13 +10,13 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
-from hvd_sgp.common import options
 from hvd_sgp.common.errors import PeerTimeoutError, on_rank
 from hvd_sgp.common.mpi import MPI
 
 _TAG_SPACE = 32767  # the MPI standard guarantees tags up to this
+DEFAULT_TIMEOUT = 300.0  # seconds; the optimizers take theirs from the options table
 
 
 @dataclass
@@ -80,6 +80,39 @@ class Deadline:
                   file=sys.stderr, flush=True)
 
 
+class Transport(Protocol):
+    """What a mixer needs of the network between nodes: post one iteration's sends and
+    receives, wait for them, and name a peer in errors. MPI (PeerTransport) and the simulator
+    (sim/network.py) implement it."""
+
+    rank: int
+    size: int
+    timeout: float
+    stats: TransportStats
+
+    def start(self, iteration: int, sends: Sequence[tuple[int, Any]],
+              receives: Sequence[tuple[int, Any]]) -> Pending: ...
+
+    def wait(self, pending: Pending) -> None: ...
+
+    def peer_name(self, peer: int) -> str: ...
+
+    def free(self) -> None: ...
+
+
+class ProgressEngine(Protocol):
+    """Moves an Overlap SGP iteration's messages while the node computes (Progress over MPI,
+    simulated time in the simulator); the mixer only reads ``pending.complete``."""
+
+    def submit(self, pending: Pending) -> None: ...
+
+    def wait_receives(self, pending: Pending) -> None: ...
+
+    def wait_all(self, pending: Pending) -> None: ...
+
+    def close(self) -> None: ...
+
+
 def tag_of(iteration: int) -> int:
     return iteration % _TAG_SPACE
 
@@ -91,7 +124,7 @@ class PeerTransport:
         self.comm = comm.Dup()  # private: our tags never meet the user's messages
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
-        self.timeout = options.resolve().timeout if timeout is None else timeout
+        self.timeout = DEFAULT_TIMEOUT if timeout is None else timeout
         self.stats = TransportStats()
         # errors name peers by world rank, whatever communicator (cross-node) carries them
         self.world_ranks = self.comm.allgather(MPI.COMM_WORLD.Get_rank())
@@ -135,9 +168,12 @@ class PeerTransport:
         if self.timeline is not None and ended - began > 1e-5:
             self.timeline.ended_now("wait", ended - began, iteration=pending.iteration)
 
+    def peer_name(self, peer: int) -> str:
+        return f"rank {self.world_ranks[peer]}"
+
     def describe(self, pending: Pending, late: Sequence[bool]) -> str:
         """Who has not delivered yet, by world rank."""
-        names = [f"{kind} with rank {self.world_ranks[peer]}"
+        names = [f"{kind} with {self.peer_name(peer)}"
                  for is_late, peer, kind in zip(late, pending.peers, pending.kinds) if is_late]
         return ", ".join(names) or "peers"
 

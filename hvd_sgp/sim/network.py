@@ -15,7 +15,7 @@ import numpy as np
 
 from hvd_sgp.common.errors import PeerTimeoutError, SgpError, SgpValueError
 from hvd_sgp.common.overlap import OverlapMixer
-from hvd_sgp.common.pushsum import PushSumMixer
+from hvd_sgp.common.pushsum import PushSumMixer, drain, exchange
 from hvd_sgp.common.topology import Topology, make_topology
 from hvd_sgp.common.transport import Pending, TransportStats
 
@@ -65,7 +65,7 @@ class Mailbox:
 
 
 class SimTransport:
-    """The PeerTransport interface for simulated node ``rank``: sends are copied into the
+    """The Transport protocol for simulated node ``rank``: sends are copied into the
     mailbox (MPI may read a send buffer any time before the wait), a wait delivers receives."""
 
     def __init__(self, mailbox: Mailbox, rank: int, size: int, timeout: float = 0.0):
@@ -98,12 +98,15 @@ class SimTransport:
             if request.row is not None:
                 self.mailbox.deliver(request.key, request.row)
 
+    def peer_name(self, peer: int) -> str:
+        return f"node {peer}"
+
     def free(self) -> None:
         """Nothing to release: the mailbox belongs to the network."""
 
 
 class SimProgress:
-    """The Progress interface in simulated time: ``advance()`` moves the clock one step and
+    """The ProgressEngine protocol in simulated time: ``advance()`` moves the clock one step and
     completes what has arrived; a wait delivers at once (the node blocks until arrival)."""
 
     def __init__(self, mailbox: Mailbox):
@@ -138,6 +141,9 @@ class SimProgress:
     def wait_all(self, pending: Pending) -> None:
         self.wait_receives(pending)
         pending.complete = [True] * len(pending.requests)
+
+    def close(self) -> None:
+        """No thread to stop."""
 
     def unsummed(self) -> Iterator[np.ndarray]:
         """Rows that have arrived but that their node has not yet summed in."""
@@ -186,23 +192,17 @@ class SimNetwork:
 
     def step(self) -> None:
         """One mixing iteration on every node."""
+        exchange(self.mixers)
         if self.progress is not None:
-            for mixer in self.mixers:
-                mixer.mix()
             self.progress.advance()
             return
-        pending = [mixer.begin() for mixer in self.mixers]
-        for mixer, p in zip(self.mixers, pending):
-            mixer.finish(p)
         if self.mailbox.messages:
             raise SgpError(f"{len(self.mailbox.messages)} pushes of iteration "
                            f"{self.iteration - 1} were never received")
 
     def drain(self) -> None:
         """Sum in everything still in flight (Overlap SGP); afterwards nothing is in flight."""
-        for mixer in self.mixers:
-            if isinstance(mixer, OverlapMixer):
-                mixer.drain()
+        drain(self.mixers)
 
     def weights(self) -> np.ndarray:
         """Every node's PushSum weight w_i (1 where the mixer does not track it)."""

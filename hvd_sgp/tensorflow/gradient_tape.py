@@ -9,18 +9,17 @@ gradient and the exchange could overlap, and at consensus it is the same fixed p
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import tensorflow as tf
 
+from hvd_sgp.common import adapter
+from hvd_sgp.common.options import keyword_help
 from hvd_sgp.tensorflow import gossip
 from hvd_sgp.tensorflow.compression import Compression
 from hvd_sgp.tensorflow.mpi_ops import Average, check_process_set, global_process_set
-from hvd_sgp.tensorflow.optimizer import make_settings
 
 
 class _DistributedTapeMixin:
-    _hvd_sgp: gossip.Settings
+    _hvd_sgp: adapter.Settings
 
     @tf.autograph.experimental.do_not_convert
     def gradient(self, target, sources, output_gradients=None,
@@ -41,20 +40,15 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",
                             sparse_as_dense: bool = False, op=Average,
                             gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                             groups=None, process_set=global_process_set,
-                            scale_local_gradients: bool = True, *, topology=None,
-                            peers: Optional[int] = None, push_sum: Optional[bool] = None,
-                            mode: Optional[str] = None, overlap: Optional[bool] = None,
-                            max_delay: Optional[int] = None, schedule=None,
-                            timeout: Optional[float] = None) -> tf.GradientTape:
-    """Wrap a recorded tape; horovod.tensorflow's arguments plus SGP's (see module docstring).
+                            scale_local_gradients: bool = True, **sgp) -> tf.GradientTape:
+    """Wrap a recorded tape; horovod.tensorflow's arguments plus SGP's keywords (below; see
+    the module docstring for the update it makes).
 
     The sources passed to ``gradient()`` must be variables (they are mixed in place); the
     gossip state belongs to that list of variables, so the first tape's SGP options stand.
     """
     check_process_set(process_set)
-    settings = make_settings(compression, op, dict(
-        topology=topology, peers=peers, push_sum=push_sum, mode=mode, overlap=overlap,
-        max_delay=max_delay, schedule=schedule, timeout=timeout))
+    settings = adapter.settings(op, compression, sgp, gradient_predivide_factor)
     cls = type(gradtape)
     if cls not in _CLASSES:
         _CLASSES[cls] = type(cls.__name__, (_DistributedTapeMixin, cls), {})
@@ -62,3 +56,6 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",
     tape.__dict__.update(gradtape.__dict__)  # the same recording, now distributed
     tape._hvd_sgp = settings
     return tape
+
+
+DistributedGradientTape.__doc__ += "\n    SGP keywords:\n" + keyword_help()

@@ -2,7 +2,7 @@
 
 ``apply``/``apply_gradients`` average the gradients exactly inside the node, take the wrapped
 optimizer's ordinary local step on the de-biased variables, then run one PushSum iteration
-with the node's out-peers (engine.communicate()). It works eagerly and inside compiled
+with the node's out-peers (the core session's begin_step / end_step). It works eagerly and inside compiled
 ``model.fit`` / ``tf.function`` train steps, where the exchange is one Python op in the graph.
 
 The wrapped optimizer is an instance of a subclass of the user's optimizer class, named like
@@ -15,18 +15,18 @@ from typing import Optional
 import keras
 import tensorflow as tf
 
-from hvd_sgp.common import options as sgp_options
-from hvd_sgp.common import runtime
-from hvd_sgp.common.errors import NotInitializedError, SgpValueError
+from hvd_sgp.common import adapter
+from hvd_sgp.common.errors import SgpValueError
+from hvd_sgp.common.options import keyword_help
 from hvd_sgp.tensorflow.compression import Compression
-from hvd_sgp.tensorflow.gossip import Settings, VariableGossip
-from hvd_sgp.tensorflow.mpi_ops import Average, Sum, check_process_set, global_process_set
+from hvd_sgp.tensorflow.gossip import VariableGossip
+from hvd_sgp.tensorflow.mpi_ops import Average, check_process_set, global_process_set
 
 
-class _DistributedMixin:
+class _DistributedMixin(adapter.GossipMethods):
     """Put before the user's optimizer class in the MRO of the wrapped class."""
 
-    _hvd_sgp: Settings
+    _hvd_sgp: adapter.Settings
     _hvd_sgp_passes: int
     _hvd_sgp_sum_micro_steps: bool
     _hvd_sgp_gossip: Optional[VariableGossip]
@@ -71,51 +71,22 @@ class _DistributedMixin:
         gossip = self._hvd_sgp_gossip
         if gossip is None:
             gossip = VariableGossip(variables, self._hvd_sgp)
+            gossip.session.own(self)
             self._hvd_sgp_gossip = gossip
         elif [id(v) for v in gossip.variables] != [id(v) for v in variables]:
             raise SgpValueError("DistributedOptimizer was applied to a different list of "
                                 "variables than at its first step; SGP gossips one fixed list")
         return gossip
 
-    def _sgp_built_gossip(self) -> VariableGossip:
+    # --- the SGP extras come from adapter.GossipMethods; call them eagerly ----------------
+    def _sgp_session(self) -> adapter.SgpSession:
         if self._hvd_sgp_gossip is None and not self.built:
             raise SgpValueError("the optimizer has no variables yet: train a step or call "
                                 "optimizer.build(model.trainable_variables) first")
-        return self._sgp_gossip(list(self._trainable_variables))
+        return self._sgp_gossip(list(self._trainable_variables)).session
 
-    # --- SGP extras ---------------------------------------------------------------------
-    def average_parameters(self) -> None:
-        """Exact consensus: every rank gets the network average (for evaluation or saving).
-        Call eagerly on every rank."""
-        self._sgp_built_gossip().average()
-
-    def synchronize_gossip(self) -> None:
-        """Drain messages in flight (overlap mode) so evaluation and checkpoints see them."""
-        self._sgp_built_gossip().drain()
-
-    def set_epoch(self, epoch: int) -> None:
-        """Tell an epoch-based schedule (HVD_SGP_SCHEDULE) which epoch runs; Keras fit gets
-        this from BroadcastGlobalVariablesCallback."""
-        self._sgp_built_gossip().set_epoch(epoch)
-
-    def metrics(self) -> dict:
-        """Per-rank PushSum weight, seconds waited on peers, bytes sent (no communication)."""
-        return self._sgp_built_gossip().metrics()
-
-    def consensus_metrics(self) -> dict:
-        """One allreduce: this rank's deviation from the network mean, the consensus distance
-        and the elastic-consistency estimate (largest deviation / learning rate). Eager, on
-        every rank."""
-        lr = float(keras.ops.convert_to_numpy(self.learning_rate))
-        return self._sgp_built_gossip().consensus(lr)
-
-    def sgp_state(self) -> dict:
-        """PushSum weight and iteration, for a checkpoint beside the model's (local)."""
-        return self._sgp_built_gossip().state()
-
-    def load_sgp_state(self, state: dict) -> None:
-        """Restore sgp_state(); every rank calls it (it may start the engine, a collective)."""
-        self._sgp_built_gossip().engine.load_state(state)
+    def _sgp_learning_rate(self) -> float:
+        return float(keras.ops.convert_to_numpy(self.learning_rate))
 
 
 _CLASSES: dict[type, type] = {}
@@ -131,7 +102,7 @@ def distributed_class(cls: type) -> type:
     return _CLASSES[cls]
 
 
-def convert(optimizer: keras.optimizers.Optimizer, settings: Settings, passes: int = 1,
+def convert(optimizer: keras.optimizers.Optimizer, settings: adapter.Settings, passes: int = 1,
             average_aggregated_gradients: bool = False) -> keras.optimizers.Optimizer:
     """Make ``optimizer`` itself distributed (keeps its variables and state)."""
     optimizer.__class__ = distributed_class(type(optimizer))
@@ -142,32 +113,16 @@ def convert(optimizer: keras.optimizers.Optimizer, settings: Settings, passes: i
     return optimizer
 
 
-def make_settings(compression, op, sgp: dict) -> Settings:
-    """Validate Horovod's op and compression and resolve the SGP options (keywords, env)."""
-    if not runtime.is_initialized():
-        raise NotInitializedError()
-    if op not in (Average, Sum):
-        raise SgpValueError(f"op={op!r} is not offered: SGP replaces the gradient allreduce; "
-                            "use op=Average (or op=Sum)")
-    wire = getattr(compression, "wire", None)
-    if wire is None:
-        raise SgpValueError(f"compression must be one of hvd.Compression.none/fp16/bf16, got "
-                            f"{compression!r}")
-    return Settings(sgp_options.resolve(**sgp), wire, op == Sum)
-
-
 def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[str] = None,
                          compression=Compression.none, sparse_as_dense: bool = False,
                          backward_passes_per_step: int = 1, op=Average,
                          gradient_predivide_factor: float = 1.0,
                          average_aggregated_gradients: bool = False, num_groups: int = 0,
                          groups=None, process_set=global_process_set,
-                         scale_local_gradients: bool = True, *, topology=None,
-                         peers: Optional[int] = None, push_sum: Optional[bool] = None,
-                         mode: Optional[str] = None, overlap: Optional[bool] = None,
-                         max_delay: Optional[int] = None, schedule=None,
-                         timeout: Optional[float] = None) -> keras.optimizers.Optimizer:
-    """Wrap a Keras optimizer for SGP training; horovod.tensorflow.keras's arguments plus SGP's.
+                         scale_local_gradients: bool = True,
+                         **sgp) -> keras.optimizers.Optimizer:
+    """Wrap a Keras optimizer for SGP training; horovod.tensorflow.keras's arguments plus SGP's
+    keywords (below; each also an HVD_SGP_* variable and an sgprun flag).
 
     Returns a new instance (from the optimizer's config) of a subclass of its class.
     ``backward_passes_per_step=k`` uses Keras' gradient accumulation (summed, or averaged
@@ -180,18 +135,15 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise SgpValueError(f"DistributedOptimizer wraps Keras optimizers "
                             f"(tf.keras.optimizers.*), got {type(optimizer).__name__}")
-    if backward_passes_per_step < 1:
-        raise SgpValueError(f"backward_passes_per_step must be >= 1, got "
-                            f"{backward_passes_per_step}")
-    if gradient_predivide_factor <= 0:
-        raise SgpValueError("gradient_predivide_factor must be positive")
-    settings = make_settings(compression, op, dict(
-        topology=topology, peers=peers, push_sum=push_sum, mode=mode, overlap=overlap,
-        max_delay=max_delay, schedule=schedule, timeout=timeout))
-    config = optimizer.get_config()
+    config = adapter.settings(op, compression, sgp, gradient_predivide_factor,
+                              backward_passes_per_step)
+    config_dict = optimizer.get_config()
     if name is not None:
-        config["name"] = name
+        config_dict["name"] = name
     if backward_passes_per_step > 1:
-        config["gradient_accumulation_steps"] = backward_passes_per_step
-    wrapped = type(optimizer).from_config(config)
-    return convert(wrapped, settings, backward_passes_per_step, average_aggregated_gradients)
+        config_dict["gradient_accumulation_steps"] = backward_passes_per_step
+    wrapped = type(optimizer).from_config(config_dict)
+    return convert(wrapped, config, backward_passes_per_step, average_aggregated_gradients)
+
+
+DistributedOptimizer.__doc__ += "\n    SGP keywords:\n" + keyword_help()

@@ -20,7 +20,7 @@ import torch
 
 from hvd_sgp.common import runtime
 from hvd_sgp.common.errors import SgpValueError
-from hvd_sgp.torch import tensor_kit  # noqa: F401  (registers torch tensors with the core)
+from hvd_sgp.torch import tensor_kit
 
 PLACEMENTS = ("view", "direct", "staged")
 
@@ -166,6 +166,7 @@ def staged(groups: Sequence[FlatGroup]) -> Iterator[None]:
 
 def group_parameters(params: list[torch.nn.Parameter]) -> list[FlatGroup]:
     """One FlatGroup per (device, dtype), in first-appearance order (same on every rank)."""
+    tensor_kit.register()
     groups: "OrderedDict[tuple, list]" = OrderedDict()
     for p in params:
         groups.setdefault((str(p.device), p.dtype), []).append(p)

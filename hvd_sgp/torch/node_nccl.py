@@ -10,7 +10,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from hvd_sgp.common import runtime
+from hvd_sgp.common import node, runtime
 from hvd_sgp.common.errors import SgpValueError
 
 _group = None
@@ -36,26 +36,23 @@ def _node_group():
 
 def _own_node_world():
     """A torch.distributed world of this node's ranks only."""
-    local = runtime.local_comm()
-    port = local.bcast(_free_port() if local.Get_rank() == 0 else None, root=0)
-    store = dist.TCPStore("127.0.0.1", port, local.Get_size(), local.Get_rank() == 0)
-    dist.init_process_group("nccl", store=store, rank=local.Get_rank(),
-                            world_size=local.Get_size())
+    first = runtime.local_rank() == 0
+    port = node.broadcast_in_node(_free_port() if first else None)
+    store = dist.TCPStore("127.0.0.1", port, runtime.local_size(), first)
+    dist.init_process_group("nccl", store=store, rank=runtime.local_rank(),
+                            world_size=runtime.local_size())
     return dist.group.WORLD
 
 
 def _user_world_subgroup(backend: str = "nccl"):
     """The script started torch.distributed itself: split its world into one group per node
     (every rank takes part in creating every group, as torch requires)."""
-    world = runtime.world_comm()
-    if dist.get_world_size() != world.Get_size():
+    if dist.get_world_size() != runtime.size():
         raise SgpValueError(
             f"torch.distributed was initialized with {dist.get_world_size()} ranks but MPI has "
-            f"{world.Get_size()}; hvd_sgp needs the same processes in both")
-    members = world.allgather((runtime.cross_rank(), dist.get_rank()))
-    nodes = [[rank for node, rank in members if node == index]
-             for index in range(runtime.cross_size())]
-    group, _ = dist.new_subgroups_by_enumeration(nodes, backend=backend)
+            f"{runtime.size()}; hvd_sgp needs the same processes in both")
+    group, _ = dist.new_subgroups_by_enumeration(node.gather_by_node(dist.get_rank()),
+                                                 backend=backend)
     return group
 
 

@@ -8,38 +8,47 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Optional
-
 import torch
 
-from hvd_sgp.common import options as sgp_options
-from hvd_sgp.common import runtime
-from hvd_sgp.common.engine import GossipEngine
-from hvd_sgp.common.errors import NotInitializedError, SgpValueError
+from hvd_sgp.common import adapter
+from hvd_sgp.common.errors import SgpValueError
+from hvd_sgp.common.options import keyword_help
+from hvd_sgp.torch import node_nccl
 from hvd_sgp.torch.compression import Compression
 from hvd_sgp.torch.flat import group_parameters, staged
-from hvd_sgp.torch.mpi_ops import (Adasum, Average, Sum, allreduce, check_process_set,
-                                    global_process_set)
-from hvd_sgp.torch import node_nccl
+from hvd_sgp.torch.mpi_ops import Average, check_process_set, global_process_set
 
 
-class _DistributedOptimizer(torch.optim.Optimizer):
+class StagedAccess:
+    """The engine's view of the parameters: staged groups copy out before and back after
+    (see flat.staged); the other placements mix the parameters' own memory."""
+
+    def __init__(self, groups):
+        self.groups = groups
+
+    def run(self, action):
+        with staged(self.groups):
+            return action()
+
+
+class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
     """Mixed into a subclass of the user's optimizer class (see DistributedOptimizer)."""
 
-    def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
-                 sgp: sgp_options.SgpOptions):
+    def __init__(self, params, named_parameters, backward_passes_per_step,
+                 config: adapter.Settings):
         super(self.__class__, self).__init__(params)
         all_params = [p for group in self.param_groups for p in group["params"]]
         self._parameter_names = _check_named_parameters(named_parameters, all_params)
         if len({id(p) for p in all_params}) != len(all_params):
             raise SgpValueError("a parameter appears in more than one param group")
         self.backward_passes_per_step = backward_passes_per_step
-        self._op = op
         self._groups = group_parameters(all_params)
         signature = [(self._parameter_names.get(id(p), i), tuple(p.shape), str(p.dtype))
                      for i, p in enumerate(all_params)]
-        self._engine = GossipEngine([g.buffer for g in self._groups], sgp, signature,
-                                    compression.wire)
+        self._session = adapter.SgpSession(config, StagedAccess(self._groups),
+                                           [g.buffer for g in self._groups], signature)
+        self._session.start()  # now: ranks compare their models and options at wrapping
+        self._session.own(self)
         self._passes = {}
         self._hooks = [p.register_post_accumulate_grad_hook(self._count_pass)
                        for p in all_params if p.requires_grad]
@@ -64,32 +73,28 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Average gradients exactly within the node (across the world in mode='allreduce')."""
         for group in self._groups:
             group.check_views()
-        previous = self._engine.stage
-        world_average = self._engine.mode == "allreduce"
-        if world_average and previous is not None and previous.mode != "allreduce":
-            self._average_state()
-        if world_average or runtime.local_size() > 1:
+        plan = self._session.begin_step(self._floating_state)
+        if plan.reduce:
             for group in self._groups:
-                if group.device.type == "cuda" and not world_average and node_nccl.usable():
+                if group.device.type == "cuda" and plan.mode != "allreduce" and node_nccl.usable():
                     node_nccl.average(group.gather_grads())
                     group.scatter_grads()
                 else:
-                    self._engine.reduce_gradients(group.grads_for_mpi())
+                    self._session.reduce_gradients(group.grads_for_mpi())
                     group.grads_from_mpi()
-        if self._op == Sum:
-            for p in self._all_params():  # Horovod's Sum: n times the average
+        scale = self._session.gradient_scale
+        if scale != 1.0:
+            for p in self._all_params():
                 if p.grad is not None:
-                    p.grad.mul_(runtime.size())
+                    p.grad.mul_(scale)
         self._passes.clear()
         self._synchronized = True
 
-    def _average_state(self) -> None:
-        """Entering AllReduce SGD (the engine already averaged the parameters): average the
-        optimizer's floating-point state too, so every rank takes the same steps from here."""
-        for state in self.state.values():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.is_floating_point():
-                    state[key] = allreduce(value).to(value.dtype)
+    def _floating_state(self) -> list:
+        """The optimizer's floating-point state (momentum, Adam moments): what entering
+        AllReduce SGD averages."""
+        return [value for state in self.state.values() for value in state.values()
+                if isinstance(value, torch.Tensor) and value.is_floating_point()]
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -114,42 +119,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self.synchronize()
         self._synchronized = False
         loss = super(self.__class__, self).step(closure)
-        with staged(self._groups):
-            self._engine.communicate(self.param_groups[0]["lr"])
+        self._session.end_step(self.param_groups[0]["lr"])
         return loss
 
     def _all_params(self):
         return [p for group in self._groups for p in group.params]
 
-    # --- SGP extras ---------------------------------------------------------------------
-    def synchronize_gossip(self) -> None:
-        """Drain messages in flight (overlap mode) so evaluation and checkpoints see them."""
-        with staged(self._groups):
-            self._engine.drain()
+    # --- the SGP extras come from adapter.GossipMethods -----------------------------------
+    def _sgp_session(self) -> adapter.SgpSession:
+        return self._session
 
-    def average_parameters(self) -> None:
-        """Exact consensus: every rank gets the network average (for evaluation or saving)."""
-        with staged(self._groups):
-            self._engine.average_parameters()
-
-    def set_epoch(self, epoch: int) -> None:
-        """Tell the schedule which epoch runs (epoch-based stages switch on it)."""
-        self._engine.set_epoch(epoch)
-
-    def metrics(self) -> dict:
-        """Per-rank PushSum weight, seconds waited on peers, bytes sent (no communication)."""
-        return self._engine.metrics()
-
-    def consensus_metrics(self) -> dict:
-        """One allreduce: this rank's deviation from the network mean, the consensus distance
-        and the elastic-consistency estimate (largest deviation seen / learning rate)."""
-        with staged(self._groups):
-            return self._engine.consensus(self.param_groups[0]["lr"])
+    def _sgp_learning_rate(self) -> float:
+        return self.param_groups[0]["lr"]
 
     def state_dict(self):
         state = super(self.__class__, self).state_dict()
-        with staged(self._groups):
-            state["hvd_sgp"] = self._engine.state()
+        state["hvd_sgp"] = self._session.state()
         return state
 
     def load_state_dict(self, state_dict) -> None:
@@ -157,8 +142,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         sgp_state = state_dict.pop("hvd_sgp", None)
         super(self.__class__, self).load_state_dict(state_dict)
         if sgp_state is not None:
-            with staged(self._groups):
-                self._engine.load_state(sgp_state)
+            self._session.load_state(sgp_state)
 
 
 def _check_named_parameters(named_parameters, all_params) -> dict:
@@ -186,38 +170,25 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          compression=Compression.none, backward_passes_per_step: int = 1,
                          op=Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                          groups=None, sparse_as_dense: bool = False,
-                         process_set=global_process_set, *, topology=None,
-                         peers: Optional[int] = None, push_sum: Optional[bool] = None,
-                         mode: Optional[str] = None, overlap: Optional[bool] = None,
-                         max_delay: Optional[int] = None, schedule=None,
-                         timeout: Optional[float] = None) -> torch.optim.Optimizer:
-    """Wrap ``optimizer`` for SGP training; same arguments as horovod.torch's, plus SGP's.
+                         process_set=global_process_set, **sgp) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` for SGP training; same arguments as horovod.torch's, plus SGP's
+    keywords (below; each also an HVD_SGP_* variable and an sgprun flag).
 
     Returns an instance of a subclass of the optimizer's class, so isinstance checks, LR
     schedulers and param_groups keep working. ``num_groups``/``groups`` (Horovod's fusion
     groups) are accepted and unneeded: all parameters already travel as one buffer.
     """
-    if not runtime.is_initialized():
-        raise NotInitializedError()
     check_process_set(process_set)
-    if op == Adasum:
-        raise SgpValueError("op=Adasum is not offered by hvd_sgp: SGP replaces the gradient "
-                            "allreduce; use op=Average")
-    if op not in (Average, Sum):
-        raise SgpValueError(f"DistributedOptimizer supports op=Average or op=Sum, got {op!r}")
-    if gradient_predivide_factor <= 0:
-        raise SgpValueError("gradient_predivide_factor must be positive")
-    if backward_passes_per_step < 1:
-        raise SgpValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+    config = adapter.settings(op, compression, sgp, gradient_predivide_factor,
+                              backward_passes_per_step)
     if isinstance(optimizer, torch.optim.LBFGS):
         raise SgpValueError("LBFGS re-evaluates its closure many times per step and is not "
                             "supported by DistributedOptimizer")
-    sgp = sgp_options.resolve(topology=topology, peers=peers, push_sum=push_sum, mode=mode,
-                              overlap=overlap, max_delay=max_delay, schedule=schedule,
-                              timeout=timeout)
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+    cls = type(optimizer.__class__.__name__, (adapter.GossipMethods, optimizer.__class__),
                dict(_DistributedOptimizer.__dict__))
-    wrapped = cls(optimizer.param_groups, named_parameters, compression,
-                  backward_passes_per_step, op, sgp)
+    wrapped = cls(optimizer.param_groups, named_parameters, backward_passes_per_step, config)
     wrapped.load_state_dict(optimizer.state_dict())
     return wrapped
+
+
+DistributedOptimizer.__doc__ += "\n    SGP keywords:\n" + keyword_help()

@@ -19,7 +19,8 @@ from hvd_sgp.tensorflow.mpi_ops import (Adasum, Average, Max, Min, Product, Sum,
                                         cross_size, init, is_initialized, local_rank,
                                         local_size, mpi_built, mpi_enabled,
                                         mpi_threads_supported, rank, shutdown, size)
-from hvd_sgp.tensorflow.optimizer import DistributedOptimizer, convert, make_settings
+from hvd_sgp.common import adapter
+from hvd_sgp.tensorflow.optimizer import DistributedOptimizer, convert
 from hvd_sgp.version import __version__
 
 
@@ -55,7 +56,7 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
     objects.update({cls.__name__: cls for cls in custom_optimizers or ()})
     model = keras.models.load_model(filepath, custom_objects=objects)
     if getattr(model, "optimizer", None) is not None:
-        convert(model.optimizer, make_settings(compression, Average, sgp))
+        convert(model.optimizer, adapter.settings(Average, compression, sgp))
     return model
 
 

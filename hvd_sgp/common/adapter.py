@@ -1,0 +1,185 @@
+"""What every framework adapter shares, written once: Horovod's argument rules for
+DistributedOptimizer, op=Sum, the explicit step (schedule switches included), the SGP extras,
+the checkpoint contract and the engine's lifecycle.
+
+A framework package keeps only its tensor <-> buffer bridge (a ``BufferAccess``) and the
+Horovod-facing wrappers: it builds ``Settings`` with ``settings()``, owns one ``SgpSession``
+per optimizer, and mixes ``GossipMethods`` into its optimizer class.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+from hvd_sgp.common import options as sgp_options
+from hvd_sgp.common import runtime
+from hvd_sgp.common.codecs import Codec, codec as make_codec
+from hvd_sgp.common.collectives import ReduceOp
+from hvd_sgp.common.engine import BufferAccess, GossipEngine, StepPlan
+from hvd_sgp.common.errors import NotInitializedError, SgpValueError
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What one DistributedOptimizer (or tape) was asked for, validated."""
+
+    options: Any  # options.SgpOptions
+    codec: Codec
+    sum_gradients: bool  # op=Sum: Horovod's sum over ranks, n times the average
+
+
+def settings(op: Any, compression: Any, sgp: dict, gradient_predivide_factor: float = 1.0,
+             backward_passes_per_step: int = 1) -> Settings:
+    """Check Horovod's DistributedOptimizer arguments and resolve the SGP options (keywords,
+    then HVD_SGP_* variables, then defaults); the same rules and messages in every framework."""
+    if not runtime.is_initialized():
+        raise NotInitializedError()
+    if op == ReduceOp.Adasum:
+        raise SgpValueError("op=Adasum is not offered by hvd_sgp: SGP replaces the gradient "
+                            "allreduce; use op=Average (or op=Sum)")
+    if op not in (ReduceOp.Average, ReduceOp.Sum):
+        raise SgpValueError(f"DistributedOptimizer supports op=Average or op=Sum, got {op!r}")
+    if not gradient_predivide_factor > 0:
+        raise SgpValueError(f"gradient_predivide_factor must be positive, got "
+                            f"{gradient_predivide_factor!r}")
+    if backward_passes_per_step < 1:
+        raise SgpValueError(f"backward_passes_per_step must be >= 1, got "
+                            f"{backward_passes_per_step}")
+    wire = getattr(compression, "wire", None)
+    if wire is None:
+        raise SgpValueError(f"compression must be one of hvd.Compression's choices, got "
+                            f"{compression!r}")
+    return Settings(sgp_options.resolve(**sgp), make_codec(wire), op == ReduceOp.Sum)
+
+
+class SgpSession:
+    """One optimizer's SGP machinery on this rank: the engine (started at the first operation
+    that needs it, a collective), the step protocol and the extras. Every call that touches
+    the buffers goes through the adapter's ``access``."""
+
+    def __init__(self, config: Settings, access: BufferAccess, buffers: Sequence,
+                 signature: Sequence[tuple]):
+        self.settings = config
+        self.access = access
+        self.buffers = list(buffers)
+        self.signature = list(signature)
+        self._engine: Optional[GossipEngine] = None
+        self._epoch = 0
+
+    @property
+    def started(self) -> bool:
+        return self._engine is not None
+
+    def start(self) -> GossipEngine:
+        """Create the engine if it is not running: a collective (every rank must get here at
+        the same point; it compares parameters and options across ranks)."""
+        if self._engine is None:
+            self._engine = GossipEngine(self.buffers, self.settings.options, self.signature,
+                                        self.settings.codec, self.access)
+            self._engine.set_epoch(self._epoch)
+        return self._engine
+
+    @property
+    def engine(self) -> GossipEngine:
+        """The engine, started on first use (see start)."""
+        return self.start()
+
+    def own(self, owner: object) -> None:
+        """Close the engine when ``owner`` (the optimizer) is collected."""
+        weakref.finalize(owner, self.close)
+
+    # --- the step -----------------------------------------------------------------------
+    def begin_step(self, optimizer_state: Callable[[], Sequence] = tuple) -> StepPlan:
+        return self.engine.begin_step(optimizer_state)
+
+    @property
+    def gradient_scale(self) -> float:
+        """Factor on the averaged gradients: Horovod's op=Sum is n times the average."""
+        return float(runtime.size()) if self.settings.sum_gradients else 1.0
+
+    def reduce_gradients(self, grads) -> None:
+        self.engine.reduce_gradients(grads)
+
+    def end_step(self, lr: float = 0.0) -> None:
+        self.engine.end_step(float(lr))
+
+    # --- extras (before the first step there is nothing to exchange) ---------------------
+    def set_epoch(self, epoch: int) -> None:
+        self._epoch = int(epoch)
+        if self._engine is not None:
+            self._engine.set_epoch(self._epoch)
+
+    def drain(self) -> None:
+        if self._engine is not None:
+            self._engine.drain()
+
+    def average_parameters(self) -> None:
+        self.engine.average_parameters()
+
+    def consensus(self, lr: float) -> dict:
+        return self.engine.consensus(float(lr))
+
+    def metrics(self) -> dict:
+        if self._engine is None:
+            return {"weight": 1.0, "wait_seconds": 0.0, "total_wait_seconds": 0.0,
+                    "bytes_sent": 0, "iteration": 0}
+        return self._engine.metrics()
+
+    def state(self) -> dict:
+        """PushSum weights, iteration and epoch: the checkpoint contract of every framework."""
+        if self._engine is None:  # nothing exchanged yet: the state of step 0
+            return {"iteration": 0, "epoch": self._epoch, "weights": [1.0] * len(self.buffers)}
+        return self._engine.state()
+
+    def load_state(self, state: dict) -> None:
+        self.engine.load_state(state)
+        self._epoch = self.engine.epoch
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+
+
+class GossipMethods:
+    """The SGP extras of every DistributedOptimizer; a framework supplies ``_sgp_session``
+    and ``_sgp_learning_rate``."""
+
+    def _sgp_session(self) -> SgpSession:
+        raise NotImplementedError
+
+    def _sgp_learning_rate(self) -> float:
+        raise NotImplementedError
+
+    def synchronize_gossip(self) -> None:
+        """Sum in the messages still in flight (Overlap SGP), so evaluation and checkpoints
+        see them. Call it on every rank."""
+        self._sgp_session().drain()
+
+    def average_parameters(self) -> None:
+        """Exact consensus: every rank gets the network average (for evaluation or saving).
+        Call it on every rank."""
+        self._sgp_session().average_parameters()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Tell an epoch-based schedule (HVD_SGP_SCHEDULE) which epoch runs."""
+        self._sgp_session().set_epoch(epoch)
+
+    def metrics(self) -> dict:
+        """Per-rank PushSum weight, seconds waited on peers, bytes sent (no communication)."""
+        return self._sgp_session().metrics()
+
+    def consensus_metrics(self) -> dict:
+        """One allreduce: this rank's deviation from the network mean, the consensus distance
+        and the elastic-consistency estimate (largest deviation seen / learning rate). Call
+        it on every rank."""
+        return self._sgp_session().consensus(self._sgp_learning_rate())
+
+    def sgp_state(self) -> dict:
+        """PushSum weights, iteration and epoch, for a checkpoint beside the model's (local;
+        torch's ``state_dict()`` carries the same under the key "hvd_sgp")."""
+        return self._sgp_session().state()
+
+    def load_sgp_state(self, state: dict) -> None:
+        """Restore ``sgp_state()``; every rank calls it."""
+        self._sgp_session().load_state(state)

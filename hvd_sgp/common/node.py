@@ -1,0 +1,93 @@
+"""Work inside one node (the ranks that share memory, or ``HVD_SGP_LOCAL_SIZE`` of them):
+exact gradient averages, the shard of the buffer each local rank carries across nodes, exact
+consensus over the whole job, and the small agreements an adapter needs among a node's ranks.
+
+SGP gossips between nodes; inside a node everything is exact.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from hvd_sgp.common import runtime
+from hvd_sgp.common.arrays import kit_for, mpi_type_of
+from hvd_sgp.common.mpi import MPI
+
+
+def shard_bounds(n: int, parts: int, index: int) -> tuple[int, int]:
+    """Start and end of shard ``index`` when n elements are cut into ``parts`` near-equal runs."""
+    base, extra = divmod(n, parts)
+    start = index * base + min(index, extra)
+    return start, start + base + (1 if index < extra else 0)
+
+
+def average_in_node(array, local: MPI.Comm) -> None:
+    """Exact in-place average over the ranks of one node (gradients before the local step)."""
+    if local.Get_size() > 1:
+        kit_for(array).ready(array)
+        local.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
+        array /= local.Get_size()
+
+
+def average_arrays(arrays: Sequence, comm: MPI.Comm) -> None:
+    """Exact in-place average of each array over ``comm`` (optimizer state entering AllReduce
+    SGD); arrays of any registered kit, through host memory where MPI cannot reach them."""
+    if comm.Get_size() == 1:
+        return
+    for array in arrays:
+        with kit_for(array).for_mpi(array) as view:
+            comm.Allreduce(MPI.IN_PLACE, view, op=MPI.SUM)
+            view /= comm.Get_size()
+
+
+class NodeShard:
+    """The run of the buffer this local rank carries across nodes (all of it when the node has
+    one rank), and the in-node gather that reassembles the whole buffer afterwards."""
+
+    def __init__(self, buffer, local: Optional[MPI.Comm]):
+        self.buffer = buffer
+        self.kit = kit_for(buffer)
+        n = len(buffer) - 1
+        self.local = local if local is not None and local.Get_size() > 1 else None
+        parts, index = (self.local.Get_size(), self.local.Get_rank()) if self.local else (1, 0)
+        self.start, self.stop = shard_bounds(n, parts, index)
+        bounds = [shard_bounds(n, parts, r) for r in range(parts)]
+        self._spec = [buffer, [b - a for a, b in bounds], [a for a, _ in bounds],
+                      mpi_type_of(buffer)]
+
+    def gather(self) -> None:
+        if self.local is not None:
+            self.kit.ready(self.buffer)
+            self.local.Allgatherv(MPI.IN_PLACE, self._spec)
+
+
+def exact_average(buffer, cross: MPI.Comm, local: Optional[MPI.Comm]) -> None:
+    """Exact consensus: every node gets sum_i(w_i z_i) / sum_i(w_i), and weight 1.
+
+    Local rank l averages shard l with the same shard of every other node, weighted by its own
+    PushSum weight (the one that shard carried: under overlap the local ranks' weights differ),
+    then the node gathers the shards.
+    """
+    part = NodeShard(buffer, local)
+    shard = buffer[part.start:part.stop]
+    weight = float(buffer[-1])
+    shard *= weight
+    if cross.Get_size() > 1:
+        part.kit.ready(buffer)
+        cross.Allreduce(MPI.IN_PLACE, shard, op=MPI.SUM)
+    shard /= cross.allreduce(weight)
+    buffer[-1] = 1
+    part.gather()
+
+
+def broadcast_in_node(value: Any) -> Any:
+    """Local rank 0's ``value`` on every rank of this node (a rendezvous address, say)."""
+    return runtime.local_comm().bcast(value, root=0)
+
+
+def gather_by_node(value: Any) -> list[list[Any]]:
+    """Every rank's ``value``, grouped by node (cross rank), in local-rank order."""
+    entries = runtime.world_comm().allgather((runtime.cross_rank(), runtime.local_rank(), value))
+    nodes: list[list[Any]] = [[] for _ in range(runtime.cross_size())]
+    for node, _, v in sorted(entries, key=lambda e: (e[0], e[1])):
+        nodes[node].append(v)
+    return nodes
