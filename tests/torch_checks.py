@@ -371,6 +371,37 @@ def check_placements():
     ok(f"mixing on tensors (direct) and through staging equals the numpy view ({worst:.1e})")
 
 
+def check_schedule_on_every_placement():
+    """A schedule switch into AllReduce SGD (after synchronous SGP, and after Overlap SGP with
+    messages in flight to drain) averages parameters and momentum on every placement: on the
+    staged one the average must land in the parameters, not in a host copy that the next
+    step overwrites. Then every rank holds the same model at every AllReduce step."""
+    from hvd_sgp.torch import flat as flat_module
+
+    chosen = flat_module.placement
+    models = {}
+    try:
+        for where in ("view", "staged"):
+            flat_module.placement = lambda device, where=where: where
+            for schedule in ("0:sgp,3s:allreduce", "0:osgp1,3s:allreduce"):
+                model = mlp(60 + me)
+                opt = hvd.DistributedOptimizer(
+                    torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                    schedule=schedule)
+                assert opt._groups[0].placement == where
+                for step in range(6):
+                    train_steps(opt, model, 1, seed=70 + step)
+                    if step >= 3:
+                        assert torch.equal(flat(model), hvd.broadcast(flat(model), 0)), \
+                            (where, schedule, step)
+                models[where, schedule] = flat(model).clone()
+    finally:
+        flat_module.placement = chosen
+    for (where, schedule), params in models.items():
+        assert torch.allclose(params, models["view", schedule], rtol=0, atol=1e-6), where
+    ok("a schedule into AllReduce averages the model on the view and staged placements")
+
+
 def check_node_groups_in_a_user_world():
     """A script that started torch.distributed itself: the in-node group hvd_sgp carves out of
     its world holds exactly this node's ranks (gloo here; NCCL on GPUs)."""
@@ -394,7 +425,7 @@ def check_node_groups_in_a_user_world():
 checks = [check_collectives, check_broadcast_optimizer_state, check_named_parameters,
           check_complete_equals_allreduce, check_pure_mixing, check_regression,
           check_horovod_behaviours, check_state_dict_and_consensus, check_mismatch_detected,
-          check_overlap_schedules_and_modes, check_placements]
+          check_overlap_schedules_and_modes, check_placements, check_schedule_on_every_placement]
 if hvd.local_size() > 1:
     checks.append(check_node_groups_in_a_user_world)
 for check in checks:
