@@ -1,17 +1,16 @@
-"""Checks of the PushSum core on real MPI processes; run by test_core_mpi.py on n ranks.
-
-Each check prints "ok <name>" on rank 0; any failure raises and ends the job non-zero.
-"""
+"""Checks of the PushSum core on real MPI processes; run by test_core.py on n ranks (see
+mpi_checks.py for the harness)."""
 import math
-import sys
 
 import numpy as np
 from hvd_sgp.common.mpi import MPI
 
-from hvd_sgp.common import PushSumMixer, SgpValueError, allocate, gossip_average, init
+from hvd_sgp.common import PushSumMixer, allocate, gossip_average, init
 from hvd_sgp.common import runtime
 from hvd_sgp.common.topology import CustomGraph, RandomGraph, make_topology
+from hvd_sgp.common.errors import TopologyError
 from hvd_sgp.common.transport import PeerTransport
+from mpi_checks import Checks, expect_error
 
 init()
 comm = runtime.world_comm()
@@ -19,10 +18,7 @@ n, me = comm.Get_size(), comm.Get_rank()
 transport = PeerTransport(comm)
 
 
-def ok(name: str) -> None:
-    comm.Barrier()
-    if me == 0:
-        print(f"ok {name}", flush=True)
+checks = Checks("core", comm.Get_rank, comm.Get_size, comm.Barrier)
 
 
 def mixer_for(topology, values, **kwargs):
@@ -38,6 +34,7 @@ def totals(buf, mixer):
     return x, comm.allreduce(w)
 
 
+@checks
 def check_mass_conservation():
     rng = np.random.default_rng(100 + me)
     for peers in (1, 2):
@@ -50,9 +47,10 @@ def check_mass_conservation():
         assert abs(x1 - x0) <= 1e-12 * max(1.0, abs(x0)), (x0, x1)
         assert abs(w1 - w0) <= 1e-12 * n, (w0, w1)
         assert math.isclose(w0, n)
-    ok("mass conservation over 1000 random-graph steps")
+    checks.ok("mass conservation over 1000 random-graph steps")
 
 
+@checks
 def check_exponential():
     values = np.random.default_rng(me).normal(size=1000)
     truth = comm.allreduce(values) / n
@@ -64,24 +62,26 @@ def check_exponential():
         errors.append(comm.allreduce(float(np.abs(buf[:-1] - truth).max()), op=MPI.MAX))
     if n & (n - 1) == 0:
         assert errors[m] <= 1e-12, (n, errors)
-        ok(f"exponential graph exact after log2(n)={m} steps")
+        checks.ok(f"exponential graph exact after log2(n)={m} steps")
     else:
         # not a power of two: the error shrinks by a constant factor per period of m steps
         period = len(make_topology("exponential", n).phases)
         ratios = [errors[k + period] / errors[k] for k in range(1, len(errors) - period)]
         assert errors[-1] < 1e-2 * errors[0] and max(ratios) < 0.9, errors
-        ok(f"exponential graph error falls geometrically on n={n}: {errors[-1]:.2e}")
+        checks.ok(f"exponential graph error falls geometrically on n={n}: {errors[-1]:.2e}")
 
 
+@checks
 def check_complete():
     values = np.random.default_rng(me).normal(size=100)
     truth = comm.allreduce(values) / n
     buf, mixer = mixer_for(make_topology("complete", n), values)
     mixer.mix()
     assert np.abs(buf[:-1] - truth).max() <= 1e-12
-    ok("complete graph exact after one step")
+    checks.ok("complete graph exact after one step")
 
 
+@checks
 def check_symmetric_keeps_weights():
     if n % 2 and n > 1:
         return
@@ -90,7 +90,7 @@ def check_symmetric_keeps_weights():
     for _ in range(50):
         mixer.mix()
         assert mixer.weight == 1.0, mixer.weight
-    ok("bipartite (doubly stochastic) mixing keeps every weight at 1")
+    checks.ok("bipartite (doubly stochastic) mixing keeps every weight at 1")
 
 
 def irregular(nodes):
@@ -100,6 +100,7 @@ def irregular(nodes):
                                 else [(i + 1) % nodes] for i in range(nodes)]])
 
 
+@checks
 def check_debias():
     if n < 3:
         return
@@ -113,9 +114,10 @@ def check_debias():
         results[push_sum] = comm.allreduce(float(np.abs(buf[:-1] - truth).max()), op=MPI.MAX)
     assert results[True] < 1e-9, results
     assert results[False] > 0.05, results
-    ok(f"de-bias: error {results[True]:.1e} with the weight, {results[False]:.2f} without")
+    checks.ok(f"de-bias: error {results[True]:.1e} with the weight, {results[False]:.2f} without")
 
 
+@checks
 def check_sharded_node():
     """Two-rank nodes: each local rank carries half the buffer; result equals unsharded."""
     if n % 2 or n < 4:
@@ -135,9 +137,10 @@ def check_sharded_node():
     stats = mixer.transport.stats
     per_message = stats.bytes_sent / stats.messages_sent
     assert per_message <= 7 * 8, per_message  # a shard (<= 6) and the weight, not all 11
-    ok("node-sharded gossip reaches the average with half-size messages")
+    checks.ok("node-sharded gossip reaches the average with half-size messages")
 
 
+@checks
 def check_gossip_average_and_codecs():
     from hvd_sgp.common.codecs import codec
     values = np.random.default_rng(me).normal(size=(3, 5)).astype(np.float32)
@@ -153,30 +156,16 @@ def check_gossip_average_and_codecs():
             mixer.mix()
         tolerance = 2e-3 if name == "fp16" else 2e-2
         assert np.abs(buf[:-1] - truth.ravel()).max() < tolerance * (1 + np.abs(truth).max())
-    ok("gossip_average and fp16/bf16 wire codecs")
+    checks.ok("gossip_average and fp16/bf16 wire codecs")
 
 
+@checks
 def check_bad_input():
-    try:
-        make_topology("exponential", n + 1).phases  # valid graph for n + 1 nodes...
-        PushSumMixer(allocate(3), make_topology("exponential", n + 1), transport)
-    except SgpValueError as e:
-        assert f"rank {me}" in str(e) and "nodes" in str(e), e
-    else:
-        raise AssertionError("a topology for the wrong number of nodes was accepted")
-    try:
-        make_topology("hypercube", n)
-    except SgpValueError as e:
-        assert "unknown topology" in str(e) and f"rank {me}" in str(e)
-    else:
-        raise AssertionError("unknown topology accepted")
-    ok("bad input raises errors naming the rank")
+    make_topology("exponential", n + 1).phases  # valid graph for n + 1 nodes...
+    expect_error(TopologyError, lambda: PushSumMixer(allocate(3), make_topology(
+        "exponential", n + 1), transport), rank=me)  # ...but not for n
+    expect_error(TopologyError, lambda: make_topology("hypercube", n), rank=me)
+    return "bad input raises typed errors naming the rank"
 
 
-for check in (check_mass_conservation, check_exponential, check_complete,
-              check_symmetric_keeps_weights, check_debias, check_sharded_node,
-              check_gossip_average_and_codecs, check_bad_input):
-    check()
-if me == 0:
-    print(f"all core checks passed on {n} ranks", flush=True)
-sys.stdout.flush()
+checks.run()

@@ -12,6 +12,7 @@ from hvd_sgp.common import allocate, init, make_topology, runtime
 from hvd_sgp.common.overlap import OverlapMixer
 from hvd_sgp.common.pushsum import Audit
 from hvd_sgp.common.transport import PeerTransport, Progress
+from mpi_checks import Checks
 
 init()
 comm = runtime.world_comm()
@@ -22,10 +23,7 @@ transport = PeerTransport(comm)
 progress = Progress(transport)
 
 
-def ok(name):
-    comm.Barrier()
-    if me == 0:
-        print(f"ok {name}", flush=True)
+checks = Checks("overlap", comm.Get_rank, comm.Get_size, comm.Barrier)
 
 
 def mass(buf, mixer):
@@ -35,7 +33,7 @@ def mass(buf, mixer):
     return comm.allreduce(local)
 
 
-def check_conservation_and_no_deadlock(tau):
+def conservation_and_no_deadlock(tau):
     buf = allocate(50, np.float64)
     buf[:-1] = rng.normal(size=50)
     mixer = OverlapMixer(buf, make_topology("exponential", n), transport, progress,
@@ -60,11 +58,11 @@ def check_conservation_and_no_deadlock(tau):
     assert np.abs(settled - start).max() <= 1e-12 * np.abs(start).max(), (settled, start)
     truth = start[0] / n / 50
     spread = comm.allreduce(float(np.abs(buf[:-1].mean() - truth)), op=MPI.MAX)
-    ok(f"overlap tau={tau}: mass + in flight conserved ({worst:.1e}) over {steps} steps "
+    checks.ok(f"overlap tau={tau}: mass + in flight conserved ({worst:.1e}) over {steps} steps "
        f"with random delays, no deadlock, {slots} message slots; consensus error {spread:.1e}")
 
 
-def check_debias_matters(tau):
+def debias_matters(tau):
     if n < 2:
         return
     errors = {}
@@ -82,13 +80,20 @@ def check_debias_matters(tau):
         mixer.drain()
         comm.Barrier()
     assert errors[True] < errors[False], errors
-    ok(f"overlap de-bias: consensus error {errors[True]:.1e} with the weight, "
+    checks.ok(f"overlap de-bias: consensus error {errors[True]:.1e} with the weight, "
        f"{errors[False]:.1e} without")
 
 
-for tau in delays:
-    check_conservation_and_no_deadlock(tau)
-check_debias_matters(delays[0])
+@checks
+def check_conservation_and_no_deadlock():
+    for tau in delays:
+        conservation_and_no_deadlock(tau)
+
+
+@checks
+def check_debias_matters():
+    debias_matters(delays[0])
+
+
+checks.run(argv=[])  # the command line carries STEPS and MAX_DELAYS
 progress.close()
-if me == 0:
-    print(f"all overlap checks passed on {n} ranks", flush=True)

@@ -16,7 +16,7 @@ TIMEOUT = 4
     ("nan", ["from rank 2", "NaN"]),
 ])
 def test_faulty_peer_ends_the_job(fault, expected):
-    proc = run_mpi(4, "fault_checks.py", fault, env={"HVD_SGP_TIMEOUT": str(TIMEOUT)},
+    proc = run_mpi(4, "faults_checks.py", fault, env={"HVD_SGP_TIMEOUT": str(TIMEOUT)},
                    timeout=120, check=False)
     ended = time.time()
     output = proc.stdout + proc.stderr

@@ -12,8 +12,8 @@ HOROVOD = importlib.util.find_spec("horovod") is not None
 @pytest.mark.skipif(not HOROVOD, reason="Horovod is not installed (scripts/install_horovod.sh "
                                         "builds it; it is kept out of the default install)")
 def test_horovod_script_with_hvd_sgp_optimizer():
-    out = run_mpi(2, "horovod_coexistence_check.py").stdout
-    assert "coexistence ok: 2 ranks" in out
+    out = run_mpi(2, "horovod_checks.py").stdout
+    assert "all horovod checks passed on 2 ranks" in out
 
 
 def test_top_level_optimizer_dispatches_without_importing_the_other_framework():

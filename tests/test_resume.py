@@ -6,10 +6,10 @@ from mpi_launch import run_mpi
 
 
 def test_kill_and_resume_equals_uninterrupted(tmp_path):
-    run_mpi(4, "resume_check.py", "full", str(tmp_path))
-    crashed = run_mpi(4, "resume_check.py", "crash", str(tmp_path), check=False, timeout=120)
+    run_mpi(4, "resume_checks.py", "full", str(tmp_path))
+    crashed = run_mpi(4, "resume_checks.py", "crash", str(tmp_path), check=False, timeout=120)
     assert crashed.returncode != 0
-    run_mpi(4, "resume_check.py", "resume", str(tmp_path))
+    run_mpi(4, "resume_checks.py", "resume", str(tmp_path))
     for rank in range(4):
         full = torch.load(tmp_path / f"full_{rank}.pt")
         resumed = torch.load(tmp_path / f"resumed_{rank}.pt")

@@ -26,7 +26,7 @@ def test_exponential_graph_averages_exactly_at_1024_nodes():
 
 
 def test_agrees_with_mpi_step_by_step():
-    out = run_mpi(8, "sim_agreement_check.py", timeout=180).stdout
+    out = run_mpi(8, "sim_checks.py", timeout=180).stdout
     assert "simulator agrees with MPI on 8 ranks over 12 steps" in out, out
 
 

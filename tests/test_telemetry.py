@@ -13,8 +13,8 @@ def test_timeline_metrics_and_plot(tmp_path):
         env = {"HVD_SGP_METRICS": str(log), "HVD_SGP_METRICS_EVERY": "5"}
         if topology == "exponential":
             env["HOROVOD_TIMELINE"] = str(timeline)  # Horovod's variable works too
-        out = run_mpi(3, "telemetry_check.py", topology, env=env).stdout
-        assert "telemetry ok" in out
+        out = run_mpi(3, "telemetry_checks.py", topology, env=env).stdout
+        assert "all telemetry checks passed on 3 ranks" in out
         logs.append(str(log))
     trace = json.loads(timeline.read_text())["traceEvents"]
     assert {e["pid"] for e in trace} == {0, 1, 2}

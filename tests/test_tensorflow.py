@@ -1,6 +1,6 @@
 """The TensorFlow / Keras backend on real MPI ranks (n = 1, 2, 4): collectives, broadcasts,
 exact equivalence with AllReduce SGD on the complete graph, Keras fit and a tf.function
-GradientTape loop on scikit-learn's digits, save / load_model. See tf_checks.py."""
+GradientTape loop on scikit-learn's digits, save / load_model. See tensorflow_checks.py."""
 import pytest
 
 pytest.importorskip("tensorflow")
@@ -10,8 +10,8 @@ from mpi_launch import run_mpi  # noqa: E402
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
-def test_tf_checks(n):
-    out = run_mpi(n, "tf_checks.py", timeout=420).stdout
+def test_tensorflow_checks(n):
+    out = run_mpi(n, "tensorflow_checks.py", timeout=420).stdout
     print(out)
     assert f"all tf checks passed on {n} ranks" in out
     assert "FAIL" not in out

@@ -10,27 +10,13 @@ import warnings
 import torch
 
 import hvd_sgp.torch as hvd
+from hvd_sgp.common.errors import ConsistencyError, ScheduleError
+from mpi_checks import Checks, expect_error
 
 hvd.init()
 torch.set_num_threads(1)
 n, me = hvd.size(), hvd.rank()
-only = set(sys.argv[1:])
-
-
-def ok(name):
-    hvd.barrier()
-    if me == 0:
-        print(f"ok {name}", flush=True)
-
-
-def expect_error(kind, fragments, action):
-    """``action()`` must raise ``kind`` with every fragment in its message."""
-    try:
-        action()
-    except kind as e:
-        assert all(f in str(e) for f in fragments), e
-    else:
-        raise AssertionError(f"no {kind.__name__} mentioning {fragments}")
+checks = Checks("torch", hvd.rank, hvd.size, hvd.barrier)
 
 
 def flat(model):
@@ -42,6 +28,7 @@ def mlp(seed, width=8):
     return torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Tanh(), torch.nn.Linear(width, 1))
 
 
+@checks
 def check_collectives():
     t = torch.arange(6, dtype=torch.float32).reshape(2, 3) + me
     assert torch.allclose(hvd.allreduce(t), torch.arange(6.).reshape(2, 3) + (n - 1) / 2)
@@ -78,10 +65,12 @@ def check_collectives():
     out = hvd.grouped_allreduce([torch.ones(2) * me, torch.ones(1)])
     assert torch.allclose(out[0], torch.full((2,), (n - 1) / 2))
     assert 0 <= hvd.join() < n
-    expect_error(ValueError, ("Adasum", f"rank {me}"), lambda: hvd.allreduce(t, op=hvd.Adasum))
-    ok("collectives")
+    expect_error(ValueError, lambda: hvd.allreduce(t, op=hvd.Adasum), rank=me,
+                 fragments=("Adasum",))
+    checks.ok("collectives")
 
 
+@checks
 def check_broadcast_optimizer_state():
     kinds = [(torch.optim.SGD, dict(lr=0.1, momentum=0.9)), (torch.optim.Adam, dict(lr=0.01)),
              (torch.optim.AdamW, dict(lr=0.01)), (torch.optim.Adagrad, dict(lr=0.1)),
@@ -108,18 +97,20 @@ def check_broadcast_optimizer_state():
                 assert a == b, cls
         assert opt.param_groups[0]["lr"] == 0.123, cls
         assert torch.equal(flat(model), hvd.broadcast(flat(model), 0))
-    ok(f"broadcast_optimizer_state for {len(kinds)} optimizers")
+    checks.ok(f"broadcast_optimizer_state for {len(kinds)} optimizers")
 
 
+@checks
 def check_named_parameters():
     model = mlp(0)
     named = list(model.named_parameters())
     for bad, message in ((named + [named[0]], "unique"), (named[1:], "not named"),
                          ([p for _, p in named], "tuples")):
-        expect_error(ValueError, (message,), lambda: hvd.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=bad))
+        expect_error(ValueError, lambda: hvd.DistributedOptimizer(  # Horovod's messages
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=bad),
+            fragments=(message,))
     hvd.DistributedOptimizer(torch.optim.SGD(mlp(0).parameters(), lr=0.1))  # absent is fine
-    ok("named_parameters duplicates / missing / malformed / absent")
+    checks.ok("named_parameters duplicates / missing / malformed / absent")
 
 
 def train_steps(opt, model, steps, seed, clip=None, twice=False):
@@ -141,6 +132,7 @@ def train_steps(opt, model, steps, seed, clip=None, twice=False):
             opt.step()
 
 
+@checks
 def check_complete_equals_allreduce():
     results = {}
     for mode, topology in (("sgp", "complete"), ("allreduce", None)):
@@ -152,9 +144,10 @@ def check_complete_equals_allreduce():
         results[mode] = flat(model)
     diff = (results["sgp"] - results["allreduce"]).abs().max().item()
     assert diff < 1e-5, diff
-    ok(f"complete-graph SGP equals AllReduce SGD with momentum over 20 steps ({diff:.1e})")
+    checks.ok(f"complete-graph SGP equals AllReduce SGD with momentum over 20 steps ({diff:.1e})")
 
 
+@checks
 def check_pure_mixing():
     model = mlp(100 + me)
     target = hvd.allreduce(flat(model))
@@ -164,9 +157,10 @@ def check_pure_mixing():
     if steps:
         err = (flat(model) - target).abs().max().item()
         assert err < 1e-6, err
-        ok(f"lr=0 reaches the exact average in log2(n)={steps} steps")
+        checks.ok(f"lr=0 reaches the exact average in log2(n)={steps} steps")
 
 
+@checks
 def check_regression():
     true_w = torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
     noise = 0.1
@@ -187,9 +181,10 @@ def check_regression():
         y = x @ true_w + noise * torch.randn(2000, 1, generator=gen)
         mse = torch.nn.functional.mse_loss(model(x), y).item()
         assert mse < 1.5 * noise ** 2, (topology, mse)
-    ok(f"linear regression MSE < 1.5 noise^2 on {topologies}")
+    checks.ok(f"linear regression MSE < 1.5 noise^2 on {topologies}")
 
 
+@checks
 def check_horovod_behaviours():
     # clipping between synchronize() and step(), inside skip_synchronize()
     model = mlp(2)
@@ -218,7 +213,7 @@ def check_horovod_behaviours():
         for _ in range(3):
             model(torch.randn(2, 4)).sum().backward()
 
-    expect_error(AssertionError, ("backward_passes_per_step",), three_passes)
+    expect_error(AssertionError, three_passes, fragments=("backward_passes_per_step",))
     opt.set_backward_passes_per_step(3)
     # a layer used twice per step, and a parameter that toggles requires_grad
     model = mlp(4)
@@ -243,10 +238,11 @@ def check_horovod_behaviours():
         finals[name] = flat(model)
     assert (finals["fp16"] - finals["none"]).abs().max() < 5e-3
     assert (finals["bf16"] - finals["none"]).abs().max() < 5e-2
-    ok("clipping with synchronize, step warning, backward_passes_per_step, shared layer, "
+    checks.ok("clipping with synchronize, step warning, backward_passes_per_step, shared layer, "
        "requires_grad toggling, fp16/bf16 compression")
 
 
+@checks
 def check_state_dict_and_consensus():
     model = mlp(6 + me)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
@@ -269,7 +265,7 @@ def check_state_dict_and_consensus():
     assert torch.allclose(flat(model), hvd.broadcast(flat(model), 0), atol=1e-6)
     metrics = opt.metrics()
     assert metrics["iteration"] == 8 and (n == 1 or metrics["bytes_sent"] > 0)
-    ok("state_dict resumes exactly; average_parameters gives consensus; metrics")
+    checks.ok("state_dict resumes exactly; average_parameters gives consensus; metrics")
 
 
 def hvd_irregular():
@@ -279,6 +275,7 @@ def hvd_irregular():
                                 else [(i + 1) % nodes] for i in range(nodes)]])
 
 
+@checks
 def check_mismatch_detected():
     width = 8 if me == 0 else 9
 
@@ -286,12 +283,13 @@ def check_mismatch_detected():
         hvd.DistributedOptimizer(torch.optim.SGD(mlp(0, width=width).parameters(), lr=0.1))
 
     if n > 1:
-        expect_error(ValueError, ("different parameters", "ranks ["), wrap)
+        expect_error(ConsistencyError, wrap, rank=me)
     else:
         wrap()
-    ok("mismatched parameter shapes raise on every rank")
+    checks.ok("mismatched parameter shapes raise on every rank")
 
 
+@checks
 def check_overlap_schedules_and_modes():
     true_w = torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
     for kwargs in (dict(overlap=True, max_delay=1), dict(overlap=True, max_delay=2),
@@ -321,11 +319,12 @@ def check_overlap_schedules_and_modes():
         if step in (4, 19):
             assert torch.equal(flat(model), hvd.broadcast(flat(model), 0)), step
     assert modes[0] == "allreduce" and modes[7] == "sgp" and modes[12] == "sgp+overlap", modes
-    expect_error(ValueError, ("START:MODE", f"rank {me}"), lambda: hvd.DistributedOptimizer(
-        torch.optim.SGD(mlp(0).parameters(), lr=0.1), schedule="0:allreduce,ten:sgp"))
-    ok("overlap tau=1,2 and dpsgd converge; schedule switches keep ranks consistent")
+    expect_error(ScheduleError, lambda: hvd.DistributedOptimizer(
+        torch.optim.SGD(mlp(0).parameters(), lr=0.1), schedule="0:allreduce,ten:sgp"), rank=me)
+    checks.ok("overlap tau=1,2 and dpsgd converge; schedule switches keep ranks consistent")
 
 
+@checks
 def check_placements():
     """The mixer on torch tensors (the CUDA-aware path's code, MPI reading tensors through
     DLPack) and through a staging copy (the path without CUDA-aware MPI) train exactly like the
@@ -368,9 +367,10 @@ def check_placements():
         assert state["iteration"] == reference_state["iteration"]
         assert max(abs(a - b) for a, b in zip(state["weights"], reference_state["weights"])) \
             < 1e-6, (where, name)
-    ok(f"mixing on tensors (direct) and through staging equals the numpy view ({worst:.1e})")
+    checks.ok(f"mixing on tensors (direct) and through staging equals the numpy view ({worst:.1e})")
 
 
+@checks
 def check_schedule_on_every_placement():
     """A schedule switch into AllReduce SGD (after synchronous SGP, and after Overlap SGP with
     messages in flight to drain) averages parameters and momentum on every placement: on the
@@ -397,11 +397,15 @@ def check_schedule_on_every_placement():
                 models[where, schedule] = flat(model).clone()
     finally:
         flat_module.placement = chosen
-    for (where, schedule), params in models.items():
-        assert torch.allclose(params, models["view", schedule], rtol=0, atol=1e-6), where
-    ok("a schedule into AllReduce averages the model on the view and staged placements")
+    # synchronous SGP is deterministic: the staged run equals the view; Overlap SGP's arrival
+    # order is not, so there only the identity across ranks (above) is asserted
+    schedule = "0:sgp,3s:allreduce"
+    assert torch.allclose(models["staged", schedule], models["view", schedule], rtol=0,
+                          atol=1e-6)
+    checks.ok("a schedule into AllReduce averages the model on the view and staged placements")
 
 
+@checks.when(hvd.local_size() > 1)
 def check_node_groups_in_a_user_world():
     """A script that started torch.distributed itself: the in-node group hvd_sgp carves out of
     its world holds exactly this node's ranks (gloo here; NCCL on GPUs)."""
@@ -419,17 +423,7 @@ def check_node_groups_in_a_user_world():
         assert value.item() == sum(range(first, first + hvd.local_size())), value
     finally:
         dist.destroy_process_group()
-    ok("in-node groups carved from a user's torch.distributed world hold the node's ranks")
+    checks.ok("in-node groups carved from a user's torch.distributed world hold the node's ranks")
 
 
-checks = [check_collectives, check_broadcast_optimizer_state, check_named_parameters,
-          check_complete_equals_allreduce, check_pure_mixing, check_regression,
-          check_horovod_behaviours, check_state_dict_and_consensus, check_mismatch_detected,
-          check_overlap_schedules_and_modes, check_placements, check_schedule_on_every_placement]
-if hvd.local_size() > 1:
-    checks.append(check_node_groups_in_a_user_world)
-for check in checks:
-    if not only or check.__name__ in only:
-        check()
-if me == 0:
-    print(f"all torch checks passed on {n} ranks", flush=True)
+checks.run()

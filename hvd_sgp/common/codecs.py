@@ -12,7 +12,7 @@ from typing import ClassVar, Union
 
 import numpy as np
 
-from hvd_sgp.common.errors import SgpValueError
+from hvd_sgp.common.errors import OptionError
 
 WEIGHT_BYTES = 8  # one float64
 
@@ -105,11 +105,11 @@ def codec(spec: Union[str, Codec, None]) -> Codec:
     name, sep, arg = text.partition(":")
     cls = REGISTRY.get(name)
     if cls is None:
-        raise SgpValueError(f"unknown codec {spec!r}; choose one of {', '.join(REGISTRY)}")
+        raise OptionError(f"unknown codec {spec!r}; choose one of {', '.join(REGISTRY)}")
     try:
         return cls(arg) if sep else cls()
     except TypeError:
-        raise SgpValueError(f"codec {name!r} takes {'no' if sep else 'an'} argument, "
+        raise OptionError(f"codec {name!r} takes {'no' if sep else 'an'} argument, "
                             f"got {spec!r}") from None
 
 

@@ -28,7 +28,7 @@ import numpy as np
 from hvd_sgp.common import runtime, schedule, telemetry
 from hvd_sgp.common.arrays import kit_for
 from hvd_sgp.common.codecs import Codec, codec as make_codec
-from hvd_sgp.common.errors import SgpValueError
+from hvd_sgp.common.errors import ConsistencyError, SgpValueError
 from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.node import average_arrays, average_in_node, exact_average
 from hvd_sgp.common.options import SgpOptions
@@ -297,7 +297,8 @@ def check_consistent(comm: MPI.Comm, signature: list, opts: tuple) -> None:
         differ = [r for r, entry in enumerate(everyone) if entry[index] != everyone[0][index]]
         if differ:
             detail = _first_difference(everyone[0][index], everyone[differ[0]][index])
-            raise SgpValueError(f"ranks {differ} have different {what} from rank 0: {detail}")
+            raise ConsistencyError(f"ranks {differ} have different {what} from rank 0: "
+                                   f"{detail}")
 
 
 def _first_difference(a, b) -> str:

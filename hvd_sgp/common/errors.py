@@ -1,23 +1,29 @@
-"""Exceptions that name the rank they were raised on, so a log of N interleaved ranks stays readable."""
+"""Exceptions that name the rank they were raised on, so a log of N interleaved ranks stays
+readable; ``error.rank`` holds it (None before init). Subclasses say what kind of input was
+wrong, so callers and tests can tell them apart without reading the message."""
 from __future__ import annotations
 
+from typing import Optional
 
-def _rank_label() -> str:
+
+def _rank() -> Optional[int]:
     # Imported lazily: runtime imports this module.
     from hvd_sgp.common import runtime
 
-    return f"rank {runtime.rank()}" if runtime.is_initialized() else "rank ?"
+    return runtime.rank() if runtime.is_initialized() else None
 
 
 def on_rank(message: str) -> str:
     """Prefix a message with the calling rank."""
-    return f"hvd_sgp {_rank_label()}: {message}"
+    rank = _rank()
+    return f"hvd_sgp rank {'?' if rank is None else rank}: {message}"
 
 
 class SgpError(RuntimeError):
     """A failure of the SGP machinery (communication, consistency, numerics)."""
 
     def __init__(self, message: str):
+        self.rank = _rank()
         super().__init__(on_rank(message))
 
 
@@ -25,7 +31,24 @@ class SgpValueError(ValueError):
     """A bad argument, topology, environment value or model, found before it can do harm."""
 
     def __init__(self, message: str):
+        self.rank = _rank()
         super().__init__(on_rank(message))
+
+
+class OptionError(SgpValueError):
+    """An SGP option (keyword, HVD_SGP_* variable or sgprun flag) or codec is invalid."""
+
+
+class TopologyError(SgpValueError):
+    """A graph that SGP cannot use: bad peers or weights, not strongly connected, wrong size."""
+
+
+class ScheduleError(OptionError):
+    """An exchange schedule that does not parse or does not start at 0."""
+
+
+class ConsistencyError(SgpValueError):
+    """Ranks disagree on what must be the same everywhere (parameters, options)."""
 
 
 class PeerTimeoutError(SgpError):

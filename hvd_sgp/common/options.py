@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from hvd_sgp.common.errors import SgpValueError
+from hvd_sgp.common.errors import OptionError
 from hvd_sgp.common.topology import TOPOLOGIES, Topology
 
 MODES = ("sgp", "allreduce", "dpsgd")
@@ -56,7 +56,7 @@ class Option:
                 return value
             text = str(value).strip().lower()
             if text not in _TRUE + _FALSE:
-                raise SgpValueError(f"{source}={value!r} must be one of 1/0, true/false, "
+                raise OptionError(f"{source}={value!r} must be one of 1/0, true/false, "
                                     "yes/no, on/off")
             return text in _TRUE
         if self.kind in (int, float):
@@ -69,16 +69,16 @@ class Option:
             low = self.minimum
             if number is None or (low is not None and not number >= low):
                 bound = f" >= {low:g}" if low is not None else ""
-                raise SgpValueError(f"{source}={value!r} must be a{'n' if self.kind is int else ''}"
+                raise OptionError(f"{source}={value!r} must be a{'n' if self.kind is int else ''}"
                                     f" {self.kind.__name__}{bound}")
             return number
         if not isinstance(value, str):
             kinds = "a string" + (f" or a {self.objects.__name__}" if self.objects else "")
-            raise SgpValueError(f"{source}={value!r} must be {kinds}")
+            raise OptionError(f"{source}={value!r} must be {kinds}")
         if self.choices:
             value = value.strip().lower()
             if value not in self.choices:
-                raise SgpValueError(f"{source}={value!r} is unknown; choose one of "
+                raise OptionError(f"{source}={value!r} is unknown; choose one of "
                                     f"{', '.join(self.choices)}")
         return value
 
@@ -134,7 +134,7 @@ def resolve(**given: Any) -> "SgpOptions":
     """Options from keywords (None = not given), then the environment, then the defaults."""
     unknown = sorted(set(given) - set(KEYWORDS))
     if unknown:
-        raise SgpValueError(f"unknown SGP option(s) {unknown}; the options are "
+        raise OptionError(f"unknown SGP option(s) {unknown}; the options are "
                             f"{', '.join(KEYWORDS)}")
     values = {}
     for name in KEYWORDS:

@@ -21,7 +21,7 @@ import numpy as np
 
 from hvd_sgp.common.arrays import kit_for, mpi_type_of
 from hvd_sgp.common.codecs import WEIGHT_BYTES, Codec, codec as make_codec
-from hvd_sgp.common.errors import SgpError, SgpValueError
+from hvd_sgp.common.errors import SgpError, SgpValueError, TopologyError
 from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.node import NodeShard
 from hvd_sgp.common.topology import Topology, make_topology
@@ -83,7 +83,7 @@ class PushSumMixer:
             raise SgpValueError("the PushSum buffer must be one contiguous 1-D array of "
                                 "parameters followed by the weight slot (see allocate())")
         if topology.n != transport.size:
-            raise SgpValueError(f"topology {topology!r} is for {topology.n} nodes, but the "
+            raise TopologyError(f"topology {topology!r} is for {topology.n} nodes, but the "
                                 f"transport connects {transport.size}")
         self.buffer = buffer
         self.n = len(buffer) - 1

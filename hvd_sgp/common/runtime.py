@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from hvd_sgp.common import options
-from hvd_sgp.common.errors import NotInitializedError, SgpValueError
+from hvd_sgp.common.errors import NotInitializedError, OptionError, SgpValueError
 from hvd_sgp.common.mpi import MPI
 
 
@@ -67,7 +67,7 @@ def _local_split(world: MPI.Comm) -> MPI.Comm:
     if local_size is None:
         return world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
     if world.Get_size() % local_size:
-        raise SgpValueError(f"HVD_SGP_LOCAL_SIZE={local_size} must divide the number of ranks "
+        raise OptionError(f"HVD_SGP_LOCAL_SIZE={local_size} must divide the number of ranks "
                             f"({world.Get_size()})")
     return world.Split(world.Get_rank() // local_size, key=world.Get_rank())
 

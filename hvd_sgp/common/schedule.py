@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Sequence, Union
 
-from hvd_sgp.common.errors import SgpValueError
+from hvd_sgp.common.errors import ScheduleError
 
 _ITEM = re.compile(r"^\s*(\d+)(s?)\s*:\s*(allreduce|dpsgd|sgp|osgp)(\d*)\s*$")
 
@@ -40,7 +40,7 @@ def parse(spec: Union[str, Sequence[tuple]]) -> list[Stage]:
         for item in spec.split(","):
             match = _ITEM.match(item)
             if not match:
-                raise SgpValueError(
+                raise ScheduleError(
                     f"schedule item {item.strip()!r} in {spec!r} is not START:MODE, e.g. "
                     "'0:allreduce,30:sgp2,60:sgp1' (START an epoch, or a step with suffix s; "
                     "MODE allreduce, dpsgd, sgpK or osgpK)")
@@ -51,14 +51,14 @@ def parse(spec: Union[str, Sequence[tuple]]) -> list[Stage]:
     else:
         stages = [_from_tuple(entry) for entry in spec]
     if not stages or stages[0].start != 0:
-        raise SgpValueError(f"schedule {spec!r} must begin with a stage at 0")
+        raise ScheduleError(f"schedule {spec!r} must begin with a stage at 0")
     for unit in ("epoch", "step"):
         starts = [s.start for s in stages if s.unit == unit]
         if starts != sorted(starts) or len(set(starts)) != len(starts):
-            raise SgpValueError(f"schedule {spec!r}: {unit} starts must increase")
+            raise ScheduleError(f"schedule {spec!r}: {unit} starts must increase")
     for stage in stages:
         if stage.peers < 1:
-            raise SgpValueError(f"schedule {spec!r}: peers must be >= 1")
+            raise ScheduleError(f"schedule {spec!r}: peers must be >= 1")
     return stages
 
 
@@ -71,7 +71,7 @@ def _from_tuple(entry) -> Stage:
             raise ValueError
         return Stage(int(start), unit[0] if unit else "epoch", mode, int(peers), overlap)
     except (TypeError, ValueError):
-        raise SgpValueError(f"schedule entry {entry!r} is not (start, mode, peers[, 'step'|"
+        raise ScheduleError(f"schedule entry {entry!r} is not (start, mode, peers[, 'step'|"
                             "'epoch']) with mode allreduce, dpsgd, sgp or osgp") from None
 
 

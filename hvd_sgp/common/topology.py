@@ -15,7 +15,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from hvd_sgp.common.errors import SgpValueError
+from hvd_sgp.common.errors import TopologyError
 
 # A phase: out-peer lists, or an n-by-n matrix whose entry [i][j] is what i sends to j.
 PhaseSpec = Union[Sequence[Sequence[int]], np.ndarray]
@@ -76,11 +76,11 @@ class Topology:
 
     def __init__(self, n: int, phases: Sequence[Phase]):
         if n < 1:
-            raise SgpValueError(f"a topology needs at least one node, got n={n}")
+            raise TopologyError(f"a topology needs at least one node, got n={n}")
         self.n = n
         self.phases = tuple(phases)
         if not self.phases:
-            raise SgpValueError(f"{self.name} topology has no phases")
+            raise TopologyError(f"{self.name} topology has no phases")
         for k, phase in enumerate(self.phases):
             _validate_phase(self.name, n, k, phase)
         _validate_connected(self.name, n, self.phases)
@@ -106,24 +106,24 @@ class Topology:
 
 def _validate_phase(name: str, n: int, k: int, phase: Phase) -> None:
     if phase.n != n:
-        raise SgpValueError(f"{name} topology phase {k} describes {phase.n} nodes, expected {n}")
+        raise TopologyError(f"{name} topology phase {k} describes {phase.n} nodes, expected {n}")
     for i in range(n):
         peers, weights = phase.out_peers[i], phase.out_weights[i]
         if len(peers) != len(weights):
-            raise SgpValueError(f"{name} topology phase {k}: node {i} has {len(peers)} peers "
+            raise TopologyError(f"{name} topology phase {k}: node {i} has {len(peers)} peers "
                                 f"but {len(weights)} weights")
         for j in peers:
             if not isinstance(j, (int, np.integer)) or not 0 <= j < n:
-                raise SgpValueError(f"{name} topology phase {k}: node {i} names peer {j!r}, "
+                raise TopologyError(f"{name} topology phase {k}: node {i} names peer {j!r}, "
                                     f"out of range 0..{n - 1}")
             if j == i:
-                raise SgpValueError(f"{name} topology phase {k}: node {i} lists itself as a "
+                raise TopologyError(f"{name} topology phase {k}: node {i} lists itself as a "
                                     "peer; its own share is the self-weight")
         if len(set(peers)) != len(peers):
-            raise SgpValueError(f"{name} topology phase {k}: node {i} lists a peer twice: {peers}")
+            raise TopologyError(f"{name} topology phase {k}: node {i} lists a peer twice: {peers}")
         total = phase.self_weights[i] + sum(weights)
         if min((phase.self_weights[i], *weights)) <= 0 or not math.isclose(total, 1.0, abs_tol=1e-9):
-            raise SgpValueError(f"{name} topology phase {k}: node {i}'s weights must be positive "
+            raise TopologyError(f"{name} topology phase {k}: node {i}'s weights must be positive "
                                 f"and sum to 1 (column-stochastic), got {total!r}")
 
 
@@ -145,7 +145,7 @@ def _validate_connected(name: str, n: int, phases: Sequence[Phase]) -> None:
         if not seen.all():
             other = int(np.argmin(seen))
             i, j = (0, other) if forward else (other, 0)
-            raise SgpValueError(f"{name} topology is not strongly connected over its period of "
+            raise TopologyError(f"{name} topology is not strongly connected over its period of "
                                 f"{len(phases)}: node {i} never reaches node {j}")
 
 
@@ -197,7 +197,7 @@ class BipartiteExponentialGraph(Topology):
     def __init__(self, n: int, peers: int = 1):
         _check_peers(self.name, peers)
         if n > 1 and n % 2:
-            raise SgpValueError(f"bipartite topology needs an even number of nodes, got {n}")
+            raise TopologyError(f"bipartite topology needs an even number of nodes, got {n}")
         offsets = [2 ** (p + 1) - 1 for p in range(n.bit_length()) if 2 ** (p + 1) - 1 < n]
         if not offsets:
             super().__init__(n, [_uniform_phase([[] for _ in range(n)])])
@@ -255,7 +255,7 @@ class CustomGraph(Topology):
                  period: Optional[int] = None):
         if callable(phases):
             if not period or period < 1:
-                raise SgpValueError("a callable custom topology needs period >= 1")
+                raise TopologyError("a callable custom topology needs period >= 1")
             specs = [phases(k) for k in range(period)]
         else:
             specs = list(phases)
@@ -266,20 +266,21 @@ def _phase_from_spec(n: int, k: int, spec: PhaseSpec) -> Phase:
     if isinstance(spec, np.ndarray):
         w = np.asarray(spec, dtype=np.float64)
         if w.shape != (n, n):
-            raise SgpValueError(f"custom topology phase {k}: matrix shape {w.shape}, expected {(n, n)}")
+            raise TopologyError(f"custom topology phase {k}: matrix shape {w.shape}, "
+                                f"expected {(n, n)}")
         if spec.dtype == bool:
             return _uniform_phase([[j for j in range(n) if j != i and w[i, j]] for i in range(n)])
         peers = tuple(tuple(j for j in range(n) if j != i and w[i, j] != 0) for i in range(n))
         return Phase(peers, tuple(tuple(float(w[i, j]) for j in peers[i]) for i in range(n)),
                      tuple(float(w[i, i]) for i in range(n)))
     if len(spec) != n:
-        raise SgpValueError(f"custom topology phase {k} lists {len(spec)} nodes, expected {n}")
+        raise TopologyError(f"custom topology phase {k} lists {len(spec)} nodes, expected {n}")
     return _uniform_phase([list(p) for p in spec])
 
 
 def _check_peers(name: str, peers: int) -> None:
     if not isinstance(peers, (int, np.integer)) or peers < 1:
-        raise SgpValueError(f"{name} topology needs peers >= 1, got {peers!r}")
+        raise TopologyError(f"{name} topology needs peers >= 1, got {peers!r}")
 
 
 TOPOLOGIES: dict[str, type[Topology]] = {
@@ -295,9 +296,9 @@ def make_topology(spec: Union[str, Topology], n: int, peers: int = 1) -> Topolog
     """A topology from a name (see TOPOLOGIES) or a ready object, checked against n nodes."""
     if isinstance(spec, Topology):
         if spec.n != n:
-            raise SgpValueError(f"topology {spec!r} is for {spec.n} nodes, but there are {n}")
+            raise TopologyError(f"topology {spec!r} is for {spec.n} nodes, but there are {n}")
         return spec
     if not isinstance(spec, str) or spec.lower() not in TOPOLOGIES:
-        raise SgpValueError(f"unknown topology {spec!r}; choose one of {sorted(TOPOLOGIES)} "
+        raise TopologyError(f"unknown topology {spec!r}; choose one of {sorted(TOPOLOGIES)} "
                             "or pass a Topology object")
     return TOPOLOGIES[spec.lower()](n, peers=peers)

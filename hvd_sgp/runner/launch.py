@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence, TypeVar
 
-from hvd_sgp.common.errors import SgpValueError
+from hvd_sgp.common.errors import OptionError
 from hvd_sgp.common.options import OPTIONS  # importing the core does not start MPI
 from hvd_sgp.common.options import environment as options_environment
 from hvd_sgp.version import __version__
@@ -327,7 +327,7 @@ def add_sgp_arguments(group) -> None:
 def _parsed(option, text: str):
     try:
         return option.parse(text, option.flag)
-    except SgpValueError as exc:
+    except OptionError as exc:
         raise ValueError(str(exc).split(": ", 1)[-1]) from None
 
 

@@ -4,7 +4,8 @@ and the BufferAccess through which the core's SgpSession reaches them.
 TF variables cannot be views into a numpy buffer, so each exchange copies: the variables are
 flattened (one tensor per dtype) into the session's buffers, mixed, and assigned back. That is
 two copies of the model per step on the host plus the graph/Python crossing, which
-tests/tf_checks.py measures; the MPI exchange itself is one fused message per peer and dtype.
+tests/tensorflow_checks.py measures; the MPI exchange itself is one fused message per peer and
+dtype.
 Inside a ``tf.function`` each engine call is one bridge op (bridge.py), run at the same step on
 every rank, so the engine starts (a collective) inside the first one on every rank alike.
 """

@@ -2,8 +2,9 @@
 
 ``apply``/``apply_gradients`` average the gradients exactly inside the node, take the wrapped
 optimizer's ordinary local step on the de-biased variables, then run one PushSum iteration
-with the node's out-peers (the core session's begin_step / end_step). It works eagerly and inside compiled
-``model.fit`` / ``tf.function`` train steps, where the exchange is one Python op in the graph.
+with the node's out-peers (the core session's begin_step / end_step). It works eagerly and
+inside compiled ``model.fit`` / ``tf.function`` train steps, where the exchange is one Python
+op in the graph.
 
 The wrapped optimizer is an instance of a subclass of the user's optimizer class, named like
 it, so ``model.save`` writes the plain optimizer and ``load_model`` re-wraps it.

@@ -2,8 +2,8 @@
 
 Every rank is one node running the real PushSumMixer over PeerTransport on an irregular graph
 (uneven degrees, one phase with unequal shares) with de-bias and deterministic local gradient
-steps; rank 0 then runs the same steps in the simulator and compares every step's parameters
-and weights.
+steps; every rank then runs the same steps in the simulator and compares every step's
+parameters and weights.
 """
 import numpy as np
 
@@ -11,6 +11,7 @@ from hvd_sgp.common import PushSumMixer, allocate, init, runtime
 from hvd_sgp.common.topology import CustomGraph
 from hvd_sgp.common.transport import PeerTransport
 from hvd_sgp.sim import SimNetwork
+from mpi_checks import Checks
 
 STEPS, DIM, LR = 12, 5, 0.1
 
@@ -37,21 +38,22 @@ def gradient(node: int, step: int, z: np.ndarray) -> np.ndarray:
 init()
 comm = runtime.world_comm()
 n, me = comm.Get_size(), comm.Get_rank()
-topology = graph(n)
+checks = Checks("sim", comm.Get_rank, comm.Get_size, comm.Barrier, comm.allgather)
 
-buffer = allocate(DIM, np.float64)
-buffer[:-1] = start(me)
-mixer = PushSumMixer(buffer, topology, PeerTransport(comm))
-assert mixer.track_weight, "the check needs a graph whose weights move"
-history = []
-for k in range(STEPS):
-    buffer[:-1] -= LR * gradient(me, k, buffer[:-1])
-    mixer.mix()
-    history.append(np.append(buffer[:-1], mixer.weight))
-histories = comm.gather(np.array(history), root=0)
 
-if me == 0:
-    mpi = np.stack(histories, axis=1)  # (step, node, DIM + 1)
+@checks
+def check_simulator_agrees_with_mpi():
+    topology = graph(n)
+    buffer = allocate(DIM, np.float64)
+    buffer[:-1] = start(me)
+    mixer = PushSumMixer(buffer, topology, PeerTransport(comm))
+    assert mixer.track_weight, "the check needs a graph whose weights move"
+    history = []
+    for k in range(STEPS):
+        buffer[:-1] -= LR * gradient(me, k, buffer[:-1])
+        mixer.mix()
+        history.append(np.append(buffer[:-1], mixer.weight))
+    mpi = np.stack(comm.allgather(np.array(history)), axis=1)  # (step, node, DIM + 1)
     net = SimNetwork(topology, DIM)
     for i in range(n):
         net.params[i] = start(i)
@@ -64,6 +66,8 @@ if me == 0:
         worst = max(worst, float(np.abs(sim - mpi[k]).max()))
         assert worst <= 1e-12, f"step {k}: simulator and MPI differ by {worst:.3e}"
     spread = float(np.ptp(mpi[-1][:, DIM]))
-    print(f"simulator agrees with MPI on {n} ranks over {STEPS} steps: max difference "
-          f"{worst:.1e}, weights spread {spread:.3f}", flush=True)
-runtime.shutdown()
+    return (f"simulator agrees with MPI on {n} ranks over {STEPS} steps: max difference "
+            f"{worst:.1e}, weights spread {spread:.3f}")
+
+
+checks.run()

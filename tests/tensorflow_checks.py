@@ -1,11 +1,12 @@
 """TensorFlow / Keras backend checks on real MPI ranks: many checks per launch.
 
-    mpirun -np N -x HVD_SGP_LOCAL_SIZE=1 python tests/tf_checks.py
+    mpirun -np N -x HVD_SGP_LOCAL_SIZE=1 python tests/tensorflow_checks.py
 
 Prints one line per check (rank 0) and "all tf checks passed on N ranks"; exits non-zero on
 the first failure. With N=4 it also re-initialises with two ranks per node to check the exact
 in-node gradient averaging.
 """
+import functools
 import json
 import os
 import sys
@@ -28,23 +29,12 @@ import hvd_sgp.keras as hvd_keras_alias  # noqa: E402
 import hvd_sgp.tensorflow as hvd  # noqa: E402
 import hvd_sgp.tensorflow.keras as hvdk  # noqa: E402
 from hvd_sgp.common import runtime  # noqa: E402
-from hvd_sgp.common.errors import SgpValueError  # noqa: E402
+from hvd_sgp.common.errors import OptionError, SgpValueError  # noqa: E402
+from mpi_checks import Checks  # noqa: E402
 
 EPOCHS = 12
-START = time.perf_counter()
-
-
-def check(name: str, ok, detail: str = "") -> None:
-    """Every rank's verdict is gathered: one failing rank fails the check everywhere."""
-    verdicts = hvd.allgather_object((bool(ok), detail))
-    bad = [(r, d) for r, (good, d) in enumerate(verdicts) if not good]
-    if hvd.rank() == 0:
-        print(f"{'ok  ' if not bad else 'FAIL'} {name}" + (f": {detail}" if detail else "")
-              + f"  [{time.perf_counter() - START:.0f}s]", flush=True)
-    if bad:
-        if hvd.rank() == 0:
-            print(f"failing ranks: {bad}", flush=True)
-        sys.exit(1)
+hvd.init()
+checks = Checks("tf", hvd.rank, hvd.size, hvd.barrier, hvd.allgather_object)
 
 
 def same_on_all_ranks(arrays, tol: float = 0.0) -> bool:
@@ -61,6 +51,7 @@ def raises(fn, kind=SgpValueError, text: str = "") -> bool:
     return False
 
 
+@checks
 def check_api() -> None:
     names = ["init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
              "cross_size", "cross_rank", "mpi_threads_supported", "mpi_enabled", "mpi_built",
@@ -73,10 +64,11 @@ def check_api() -> None:
                    "allreduce", "allgather", "broadcast", "callbacks", "Compression"]
     missing = [n for n in names if not hasattr(hvd, n)] + \
         [n for n in keras_names if not hasattr(hvdk, n) or not hasattr(hvd_keras_alias, n)]
-    check("API names of hvd_sgp.tensorflow / .tensorflow.keras / .keras", not missing,
-          str(missing) if missing else "")
-    check("basics", hvd.size() == runtime.size() and hvd.mpi_enabled() and not hvd.gloo_built()
-          and hvd.cross_size() == hvd.size() and hvd.local_size() == 1)
+    checks.verify("API names of hvd_sgp.tensorflow / .tensorflow.keras / .keras", not missing,
+                 str(missing) if missing else "")
+    checks.verify("basics", hvd.size() == runtime.size() and hvd.mpi_enabled()
+                  and not hvd.gloo_built()
+                 and hvd.cross_size() == hvd.size() and hvd.local_size() == 1)
 
 
 def collective_results(n: int, r: int):
@@ -95,6 +87,7 @@ def collective_results(n: int, r: int):
     return out
 
 
+@checks
 def check_collectives() -> None:
     n, r = hvd.size(), hvd.rank()
     for how, fn in (("eager", collective_results), ("tf.function", tf.function(
@@ -104,32 +97,33 @@ def check_collectives() -> None:
         expect = {"Average": (n + 1) / 2, "Sum": n * (n + 1) / 2, "Min": 1.0, "Max": float(n),
                   "Product": product, "fp16": (n + 1) / 2, "sum_average_false": n * (n + 1) / 2}
         ok = all(np.allclose(out[k].numpy(), v) for k, v in expect.items())
-        check(f"allreduce Average/Sum/Min/Max/Product/fp16 ({how})", ok)
+        checks.verify(f"allreduce Average/Sum/Min/Max/Product/fp16 ({how})", ok)
         g32, g64 = out["grouped"]
-        check(f"grouped_allreduce keeps dtypes ({how})", g64.dtype == tf.float64 and
-              np.allclose(g32, (n + 1) / 2) and np.allclose(g64, n + 1))
+        checks.verify(f"grouped_allreduce keeps dtypes ({how})", g64.dtype == tf.float64 and
+                     np.allclose(g32, (n + 1) / 2) and np.allclose(g64, n + 1))
         gathered = out["allgather"].numpy()
         want = np.concatenate([np.full((q + 1, 2), float(q)) for q in range(n)])
-        check(f"allgather with different first dims ({how})",
-              gathered.shape == want.shape and np.array_equal(gathered, want))
-        check(f"broadcast from the last rank ({how})", np.allclose(out["broadcast"], n))
+        checks.verify(f"allgather with different first dims ({how})",
+                     gathered.shape == want.shape and np.array_equal(gathered, want))
+        checks.verify(f"broadcast from the last rank ({how})", np.allclose(out["broadcast"], n))
         received, counts = out["alltoall"]
-        check(f"alltoall with splits ({how})",
-              np.array_equal(received.numpy()[:, 0], [10.0 * q + r for q in range(n)])
-              and np.array_equal(counts.numpy(), np.ones(n)))
+        checks.verify(f"alltoall with splits ({how})",
+                     np.array_equal(received.numpy()[:, 0], [10.0 * q + r for q in range(n)])
+                     and np.array_equal(counts.numpy(), np.ones(n)))
         scattered = out["reducescatter"].numpy()
-        check(f"reducescatter ({how})", scattered.shape == (2, 2)
-              and np.allclose(scattered, (n + 1) / 2))
-    check("Adasum is refused with a clear error",
-          raises(lambda: hvd.allreduce(tf.ones([2]), op=hvd.Adasum), SgpValueError, "Adasum"))
-    check("broadcast_object / allgather_object / join / barrier",
-          hvd.broadcast_object({"a": r}, root_rank=0) == {"a": 0}
-          and hvd.allgather_object(r) == list(range(n)) and 0 <= hvd.join() < n
-          and hvd.barrier() is None)
-    check("keras allreduce/allgather/broadcast return numpy",
-          np.allclose(hvdk.allreduce(np.float32(r)), (n - 1) / 2)
-          and hvdk.allgather(np.array([r])).tolist() == list(range(n))
-          and float(hvdk.broadcast(np.float32(r), 0)) == 0.0)
+        checks.verify(f"reducescatter ({how})", scattered.shape == (2, 2)
+                     and np.allclose(scattered, (n + 1) / 2))
+    checks.verify("Adasum is refused with a clear error",
+                  raises(lambda: hvd.allreduce(tf.ones([2]), op=hvd.Adasum), SgpValueError,
+                         "Adasum"))
+    checks.verify("broadcast_object / allgather_object / join / barrier",
+                 hvd.broadcast_object({"a": r}, root_rank=0) == {"a": 0}
+                 and hvd.allgather_object(r) == list(range(n)) and 0 <= hvd.join() < n
+                 and hvd.barrier() is None)
+    checks.verify("keras allreduce/allgather/broadcast return numpy",
+                 np.allclose(hvdk.allreduce(np.float32(r)), (n - 1) / 2)
+                 and hvdk.allgather(np.array([r])).tolist() == list(range(n))
+                 and float(hvdk.broadcast(np.float32(r), 0)) == 0.0)
 
 
 def small_model(seed: int, width: int = 16) -> tf.keras.Model:
@@ -147,6 +141,7 @@ def rank_batch(r: int, step: int = 0):
 LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
+@checks
 def check_broadcast_variables() -> None:
     r = hvd.rank()
     for how in ("eager", "tf.function"):
@@ -164,20 +159,22 @@ def check_broadcast_variables() -> None:
             hvd.broadcast_variables(opt.variables, root_rank=0)
         (broadcast_all() if how == "eager" else tf.function(broadcast_all)())
         slots = [v.numpy() for v in opt.variables]
-        check(f"broadcast_variables of model variables and Adam slots ({how})",
-              differ and same_on_all_ranks([v.numpy() for v in model.variables])
-              and same_on_all_ranks(slots) and len(slots) > 3)
+        checks.verify(f"broadcast_variables of model variables and Adam slots ({how})",
+                     differ and same_on_all_ranks([v.numpy() for v in model.variables])
+                     and same_on_all_ranks(slots) and len(slots) > 3)
 
 
+@checks
 def check_metric_average() -> None:
     n, r = hvd.size(), hvd.rank()
     logs = {"loss": float(r), "accuracy": 0.5 + r / 10, "val_loss": 3.0 * r}
     hvdk.callbacks.MetricAverageCallback().on_epoch_end(0, logs)
     mean = (n - 1) / 2
-    check("MetricAverageCallback averages the logs exactly",
-          logs == {"loss": mean, "accuracy": 0.5 + mean / 10, "val_loss": 3.0 * mean})
+    checks.verify("MetricAverageCallback averages the logs exactly",
+                 logs == {"loss": mean, "accuracy": 0.5 + mean / 10, "val_loss": 3.0 * mean})
 
 
+@checks
 def check_lr_schedules() -> None:
     n = hvd.size()
     model = small_model(0)
@@ -192,14 +189,14 @@ def check_lr_schedules() -> None:
             warm.on_train_batch_begin(batch)
             seen.append(float(model.optimizer.learning_rate.numpy()))
     want = [0.8 / n * (e * (n - 1) / 2 + 1) for e in (0, 0.5, 1, 1.5)]
-    check("LearningRateWarmupCallback ramps lr / size to lr",
-          np.allclose(seen[:4], want) and seen[4] == seen[3] == seen[5], str(seen))
+    checks.verify("LearningRateWarmupCallback ramps lr / size to lr",
+                 np.allclose(seen[:4], want) and seen[4] == seen[3] == seen[5], str(seen))
     sched = hvdk.callbacks.LearningRateScheduleCallback(0.5, lambda e: 0.1 ** e, start_epoch=1)
     sched.set_model(model)
     sched.on_epoch_begin(2)
     sched.on_train_batch_begin(0)
-    check("LearningRateScheduleCallback (staircase)",
-          np.isclose(model.optimizer.learning_rate.numpy(), 0.005))
+    checks.verify("LearningRateScheduleCallback (staircase)",
+                 np.isclose(model.optimizer.learning_rate.numpy(), 0.005))
 
 
 def exact_reference(steps: int, lr: float, momentum: float, passes: int = 1):
@@ -250,37 +247,44 @@ def max_diff(a, b) -> float:
     return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
 
 
-def check_exact_equivalence(label: str = "", full: bool = True) -> None:
+def exact_equivalence(label: str = "", full: bool = True) -> None:
     reference = exact_reference(6, 0.1, 0.9)
     for compiled in ((True, False) if full else (True,)):
         params, opt = sgp_custom_loop(6, 0.1, 0.9, use_tape=False, compiled=compiled,
                                       topology="complete")
         diff = max_diff(params, reference)
-        check(f"{label}topology='complete' SGP == exact gradient averaging (custom loop, "
-              f"{'tf.function' if compiled else 'eager'})", diff < 1e-5, f"max |diff| {diff:.2e}")
-    check(f"{label}DistributedOptimizer is a subclass of the user's optimizer class",
-          isinstance(opt, tf.keras.optimizers.SGD) and type(opt).__name__ == "SGD"
-          and hasattr(opt, "average_parameters"))
+        checks.verify(f"{label}topology='complete' SGP == exact gradient averaging (custom loop, "
+                      f"{'tf.function' if compiled else 'eager'})", diff < 1e-5,
+                      f"max |diff| {diff:.2e}")
+    checks.verify(f"{label}DistributedOptimizer is a subclass of the user's optimizer class",
+                 isinstance(opt, tf.keras.optimizers.SGD) and type(opt).__name__ == "SGD"
+                 and hasattr(opt, "average_parameters"))
     if not full:
         return
     params, _ = sgp_custom_loop(6, 0.1, 0.9, use_tape=True, mode="allreduce")
     diff = max_diff(params, reference)
-    check(f"{label}DistributedGradientTape mode='allreduce' == exact averaging",
-          diff < 1e-5, f"max |diff| {diff:.2e}")
+    checks.verify(f"{label}DistributedGradientTape mode='allreduce' == exact averaging",
+                 diff < 1e-5, f"max |diff| {diff:.2e}")
     params, _ = sgp_custom_loop(6, 0.1, 0.9, use_tape=False, passes=2, topology="complete")
     diff = max_diff(params, exact_reference(6, 0.1, 0.9, passes=2))
-    check(f"{label}backward_passes_per_step=2 (summed, one exchange per update) == exact",
-          diff < 1e-5, f"max |diff| {diff:.2e}")
+    checks.verify(f"{label}backward_passes_per_step=2 (summed, one exchange per update) == exact",
+                 diff < 1e-5, f"max |diff| {diff:.2e}")
 
 
+@checks
+def check_exact_equivalence() -> None:
+    exact_equivalence()
+
+
+@checks
 def check_options() -> None:
     os.environ["HVD_SGP_TOPOLOGY"] = "no-such-graph"
     try:
         from_env = raises(lambda: hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.1)),
-                          SgpValueError, "no-such-graph")
+                          OptionError)
     finally:
         del os.environ["HVD_SGP_TOPOLOGY"]
-    check("HVD_SGP_* environment variables are read (a bad topology is named)", from_env)
+    checks.verify("HVD_SGP_* environment variables are read (a bad topology is named)", from_env)
     log = os.path.join(tempfile.gettempdir(), f"hvd_sgp_tf_metrics_{os.getpid()}.jsonl")
     log = hvd.broadcast_object(log, root_rank=0)
     os.environ.update(HVD_SGP_METRICS=log, HVD_SGP_METRICS_EVERY="1")
@@ -289,23 +293,25 @@ def check_options() -> None:
                                       schedule="0:sgp,3s:allreduce")
     finally:
         del os.environ["HVD_SGP_METRICS"], os.environ["HVD_SGP_METRICS_EVERY"]
-    check("schedule '0:sgp,3s:allreduce' with momentum: the switch averages the models and "
-          "the optimizer's slots, then they stay one",
-          same_on_all_ranks(params, 1e-6) and opt.metrics()["mode"] == "allreduce")
+    checks.verify("schedule '0:sgp,3s:allreduce' with momentum: the switch averages the models and "
+                 "the optimizer's slots, then they stay one",
+                 same_on_all_ranks(params, 1e-6) and opt.metrics()["mode"] == "allreduce")
     first = None
     if hvd.rank() == 0:  # rank 0 writes the log
         first = json.loads(open(log).readline())
         os.remove(log)
     first = hvd.broadcast_object(first, root_rank=0)
-    check("the metrics log gets the learning rate (elastic estimate = deviation / lr)",
-          all(abs(e - d / 0.1) < 1e-6 * max(1.0, e)
-              for e, d in zip(first["elastic"], first["deviation"])))
-    check("op=Adasum and non-Keras optimizers are refused",
-          raises(lambda: hvdk.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), op=hvd.Adasum),
-                 SgpValueError, "Adasum")
-          and raises(lambda: hvd.DistributedOptimizer(object()), SgpValueError, "Keras"))
+    checks.verify("the metrics log gets the learning rate (elastic estimate = deviation / lr)",
+                 all(abs(e - d / 0.1) < 1e-6 * max(1.0, e)
+                     for e, d in zip(first["elastic"], first["deviation"])))
+    checks.verify("op=Adasum and non-Keras optimizers are refused",
+                  raises(lambda: hvdk.DistributedOptimizer(tf.keras.optimizers.SGD(0.1),
+                                                           op=hvd.Adasum),
+                        SgpValueError, "Adasum")
+                 and raises(lambda: hvd.DistributedOptimizer(object()), SgpValueError, "Keras"))
 
 
+@functools.cache
 def reference_accuracy() -> float:
     """Single-process training on the whole train split (rank 0 trains, all ranks get it)."""
     accuracy = None
@@ -320,14 +326,14 @@ def reference_accuracy() -> float:
     return hvd.broadcast_object(accuracy, 0)
 
 
-def check_accuracies(label: str, mine: float, reference: float) -> None:
+def verify_accuracies(label: str, mine: float, reference: float) -> None:
     everyone = np.array(hvd.allgather_object(mine))
     mean = float(everyone.mean())
-    check(f"{label}: network mean test accuracy within 2 points of single-process",
-          abs(mean - reference) <= 0.02, f"mean {mean:.4f} vs {reference:.4f}")
+    checks.verify(f"{label}: network mean test accuracy within 2 points of single-process",
+                 abs(mean - reference) <= 0.02, f"mean {mean:.4f} vs {reference:.4f}")
     worst = float(np.max(np.abs(everyone - mean) / mean))
-    check(f"{label}: every rank within 5% of the network mean", worst <= 0.05,
-          f"ranks {np.round(everyone, 4).tolist()}")
+    checks.verify(f"{label}: every rank within 5% of the network mean", worst <= 0.05,
+                 f"ranks {np.round(everyone, 4).tolist()}")
 
 
 def evaluate(model, x, y) -> float:
@@ -335,30 +341,33 @@ def evaluate(model, x, y) -> float:
     return float(np.mean(np.argmax(logits.numpy(), 1) == y))
 
 
-def check_keras_fit(reference: float) -> None:
+@checks
+def check_keras_fit() -> None:
+    reference = reference_accuracy()
     directory = hvd.broadcast_object(tempfile.mkdtemp() if hvd.rank() == 0 else None, 0)
     model, _ = keras_digits.main(epochs=EPOCHS, checkpoint_dir=directory, verbose=0)
     _, _, x_test, y_test = keras_digits.load_data(0, 1)
     opt = model.optimizer
     steps = EPOCHS * -(-len(keras_digits.load_data(hvd.rank(), hvd.size())[0]) // 32)
     metrics = opt.metrics()
-    check("keras fit: gossip ran in compiled train steps (not run_eagerly)",
-          not model.run_eagerly and metrics["iteration"] == steps
-          and (metrics["bytes_sent"] > 0 or hvd.size() == 1),
-          f"{metrics['iteration']} exchanges, {metrics['bytes_sent']} bytes sent")
-    check_accuracies("keras fit + 3 callbacks", evaluate(model, x_test, y_test), reference)
+    checks.verify("keras fit: gossip ran in compiled train steps (not run_eagerly)",
+                 not model.run_eagerly and metrics["iteration"] == steps
+                 and (metrics["bytes_sent"] > 0 or hvd.size() == 1),
+                 f"{metrics['iteration']} exchanges, {metrics['bytes_sent']} bytes sent")
+    verify_accuracies("keras fit + 3 callbacks", evaluate(model, x_test, y_test), reference)
     opt.average_parameters()
     consensus = evaluate(model, x_test, y_test)
-    check("keras fit: consensus model (average_parameters) within 2 points",
-          same_on_all_ranks([v.numpy() for v in model.trainable_variables])
-          and abs(consensus - reference) <= 0.02, f"{consensus:.4f}")
+    checks.verify("keras fit: consensus model (average_parameters) within 2 points",
+                 same_on_all_ranks([v.numpy() for v in model.trainable_variables])
+                 and abs(consensus - reference) <= 0.02, f"{consensus:.4f}")
     if hvd.rank() == 0:
         written = sorted(os.listdir(directory))
-    check("keras fit: rank 0 wrote the checkpoints",
-          hvd.rank() != 0 or len(written) == EPOCHS)
-    check_save_load(model, directory)
+    checks.verify("keras fit: rank 0 wrote the checkpoints",
+                 hvd.rank() != 0 or len(written) == EPOCHS)
+    save_load(model, directory)
 
 
+@checks
 def check_fit_variants() -> None:
     """Keras fit with several steps per compiled call and under LossScaleOptimizer: the
     exchange runs at every step (complete graph: all equal one plain fit, step for step)."""
@@ -382,8 +391,8 @@ def check_fit_variants() -> None:
     params, iterations = results.pop("plain")
     for label, (other, other_iterations) in results.items():
         diff = max_diff(other, params)
-        check(f"keras fit with {label}: gossip at every step, same as plain fit",
-              other_iterations == iterations == 6 and diff < 1e-5, f"max |diff| {diff:.1e}")
+        checks.verify(f"keras fit with {label}: gossip at every step, same as plain fit",
+                     other_iterations == iterations == 6 and diff < 1e-5, f"max |diff| {diff:.1e}")
 
 
 class _SpyInitialState(tf.keras.callbacks.Callback):
@@ -391,18 +400,18 @@ class _SpyInitialState(tf.keras.callbacks.Callback):
         self.weights = [v.numpy() for v in self.model.trainable_variables]
 
 
-def check_save_load(model, directory: str) -> None:
+def save_load(model, directory: str) -> None:
     path = os.path.join(directory, "saved.keras")
     if hvd.rank() == 0:
         model.save(path)
     hvd.barrier()
     loaded = hvdk.load_model(path)
     opt = loaded.optimizer
-    check("load_model re-wraps the saved optimizer (its class, its state)",
-          isinstance(opt, tf.keras.optimizers.SGD) and hasattr(opt, "average_parameters")
-          and int(opt.iterations.numpy()) == int(model.optimizer.iterations.numpy())
-          and max_diff([v.numpy() for v in loaded.variables],
-                       [v.numpy() for v in model.variables]) == 0.0)
+    checks.verify("load_model re-wraps the saved optimizer (its class, its state)",
+                 isinstance(opt, tf.keras.optimizers.SGD) and hasattr(opt, "average_parameters")
+                 and int(opt.iterations.numpy()) == int(model.optimizer.iterations.numpy())
+                 and max_diff([v.numpy() for v in loaded.variables],
+                              [v.numpy() for v in model.variables]) == 0.0)
     # Continue training from different states: the broadcast must make them one again.
     for v in loaded.trainable_variables:
         v.assign(v + 0.01 * hvd.rank())
@@ -417,31 +426,34 @@ def check_save_load(model, directory: str) -> None:
                                     hvdk.callbacks.ConsensusCallback(every_epochs=1),
                                     hvdk.callbacks.BestModelCheckpoint(filepath=best)])
     logged = history.history
-    check("SgpMetricsCallback puts weight, waits, bytes and consensus figures in the logs",
-          {"sgp_weight", "sgp_bytes_sent", "sgp_deviation", "sgp_distance", "sgp_elastic"}
-          <= set(logged) and (hvd.size() == 1 or logged["sgp_bytes_sent"][-1] > 0))
-    check("BestModelCheckpoint: rank 0 saved the best model", hvd.rank() != 0
-          or os.path.exists(best))
-    check("BroadcastGlobalVariablesCallback makes different states one before training",
-          same_on_all_ranks(spy.weights))
-    check("loaded model trains with gossip; ConsensusCallback leaves one model",
-          opt.metrics()["iteration"] > 0
-          and same_on_all_ranks([v.numpy() for v in loaded.trainable_variables])
-          and evaluate(loaded, x_test, y_test) > 0.9)
+    checks.verify("SgpMetricsCallback puts weight, waits, bytes and consensus figures in the logs",
+                 {"sgp_weight", "sgp_bytes_sent", "sgp_deviation", "sgp_distance", "sgp_elastic"}
+                 <= set(logged) and (hvd.size() == 1 or logged["sgp_bytes_sent"][-1] > 0))
+    checks.verify("BestModelCheckpoint: rank 0 saved the best model", hvd.rank() != 0
+                 or os.path.exists(best))
+    checks.verify("BroadcastGlobalVariablesCallback makes different states one before training",
+                 same_on_all_ranks(spy.weights))
+    checks.verify("loaded model trains with gossip; ConsensusCallback leaves one model",
+                 opt.metrics()["iteration"] > 0
+                 and same_on_all_ranks([v.numpy() for v in loaded.trainable_variables])
+                 and evaluate(loaded, x_test, y_test) > 0.9)
 
 
-def check_tape_loop(reference: float) -> None:
+@checks
+def check_tape_loop() -> None:
+    reference = reference_accuracy()
     model, opt, accuracy = tensorflow2_digits.main(epochs=EPOCHS, verbose=0)
-    check_accuracies("tf.function GradientTape loop", accuracy, reference)
+    verify_accuracies("tf.function GradientTape loop", accuracy, reference)
 
 
+@checks
 def check_xla_refused() -> None:
     model = small_model(0)
     model.compile(optimizer=hvdk.DistributedOptimizer(tf.keras.optimizers.SGD(0.1)),
                   loss=LOSS, jit_compile=True)
     x, y = rank_batch(hvd.rank())
-    check("XLA (jit_compile=True) is refused with a clear error",
-          raises(lambda: model.fit(x, y, verbose=0), SgpValueError, "jit_compile=False"))
+    checks.verify("XLA (jit_compile=True) is refused with a clear error",
+                 raises(lambda: model.fit(x, y, verbose=0), SgpValueError, "jit_compile=False"))
 
 
 def bench_model(width: int) -> tf.keras.Model:
@@ -461,7 +473,8 @@ def step_function(model, opt, x, y):
     return step
 
 
-def report_bridge_cost() -> None:
+@checks.when(hvd.size() <= 2)  # 4 ranks on a small machine time the machine, not the bridge
+def check_bridge_cost() -> None:
     """Per-step time of a compiled train step: plain Keras SGD, the SGP optimizer in
     mode='allreduce' (the bridge without gossip, plus the gradient allreduce for n > 1) and
     with gossip. Best of 3 interleaved rounds (the machine is shared)."""
@@ -487,41 +500,18 @@ def report_bridge_cost() -> None:
                   f"sgp {best['sgp'] * 1e3:.2f} ms", flush=True)
 
 
+@checks.when(hvd.size() == 4)
 def check_two_ranks_per_node() -> None:
     hvd.shutdown()
     os.environ["HVD_SGP_LOCAL_SIZE"] = "2"
     hvd.init()
-    check("re-initialised with 2 ranks per node", hvd.local_size() == 2
-          and hvd.cross_size() == hvd.size() // 2)
-    check_exact_equivalence("2 ranks/node: ", full=False)
+    checks.verify("re-initialised with 2 ranks per node", hvd.local_size() == 2
+                 and hvd.cross_size() == hvd.size() // 2)
+    exact_equivalence("2 ranks/node: ", full=False)
     params, _ = sgp_custom_loop(4, 0.1, 0.9, use_tape=False)
     pair = hvd.allgather_object([p.copy() for p in params])[hvd.rank() ^ 1]
-    check("2 ranks/node: gradients averaged exactly inside the node (node ranks identical)",
-          max_diff(params, pair) == 0.0)
+    checks.verify("2 ranks/node: gradients averaged exactly inside the node (node ranks identical)",
+                 max_diff(params, pair) == 0.0)
 
 
-def main() -> None:
-    hvd.init()
-    n = hvd.size()
-    check_api()
-    check_collectives()
-    check_broadcast_variables()
-    check_metric_average()
-    check_lr_schedules()
-    check_exact_equivalence()
-    check_options()
-    check_xla_refused()
-    reference = reference_accuracy()
-    check_keras_fit(reference)
-    check_fit_variants()
-    check_tape_loop(reference)
-    if n <= 2:  # 4 ranks on a small machine time the machine, not the bridge
-        report_bridge_cost()
-    if n == 4:
-        check_two_ranks_per_node()
-    if hvd.rank() == 0:
-        print(f"all tf checks passed on {n} ranks", flush=True)
-
-
-if __name__ == "__main__":
-    main()
+checks.run()
