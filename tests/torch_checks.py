@@ -405,6 +405,42 @@ def check_schedule_on_every_placement():
     checks.ok("a schedule into AllReduce averages the model on the view and staged placements")
 
 
+@checks
+def check_mixed_precision():
+    """torch.amp with node 0 overflowing at step 2, in Horovod's recipe (synchronize,
+    unscale_, skip_synchronize + scaler.step: only rank 0 overflows, the in-node average
+    spreads it) and with a plain scaler.step (every rank of node 0 overflows: the check then
+    sees only local gradients): node 0 skips its local update but still gossips, so nobody
+    waits for it; its loss scale halves on every one of its ranks; the others keep theirs."""
+    for recipe in ("horovod", "plain"):
+        overflowing = me == 0 if recipe == "horovod" else hvd.cross_rank() == 0
+        model = mlp(80 + hvd.cross_rank())
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+        gen = torch.Generator().manual_seed(81 + me)
+        for step in range(5):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(torch.randn(8, 4, generator=gen)),
+                                                torch.randn(8, 1, generator=gen))
+            if step == 2 and overflowing:
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            if recipe == "horovod":
+                opt.synchronize()
+                scaler.unscale_(opt)
+                with opt.skip_synchronize():
+                    scaler.step(opt)
+            else:
+                scaler.step(opt)
+            scaler.update()
+        assert opt.metrics()["iteration"] == 5, (recipe, opt.metrics())
+        assert torch.isfinite(flat(model)).all(), recipe
+        scales = hvd.allgather_object((hvd.cross_rank(), scaler.get_scale()))
+        for node, scale in scales:
+            assert scale == (2.0 ** 15 if node == 0 else 2.0 ** 16), (recipe, scales)
+    return "GradScaler: an overflowing node skips its update, gossips on, scale agreed in-node"
+
+
 @checks.when(hvd.local_size() > 1)
 def check_node_groups_in_a_user_world():
     """A script that started torch.distributed itself: the in-node group hvd_sgp carves out of

@@ -105,22 +105,49 @@ class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
         finally:
             self._should_skip = False
 
+    # torch.amp.GradScaler then calls step() even when it found inf/NaN gradients (handing us
+    # ``found_inf``), so a node that skips its local update still gossips: its peers never wait
+    # for an exchange that does not come.
+    _step_supports_amp_scaling = True
+
     def step(self, closure=None):
-        if self._should_skip:
-            if not self._synchronized:
+        scaling = {key: self.__dict__.pop(key) for key in ("grad_scale", "found_inf")
+                   if key in self.__dict__}  # set by GradScaler.step; it deletes them after
+        try:
+            if self._should_skip:
+                if not self._synchronized:
+                    self.synchronize()
+            elif self._synchronized:
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(). This can cause training slowdown. You may want to "
+                    "consider using optimizer.skip_synchronize() context if you use "
+                    "optimizer.synchronize() in your code.")
+            else:
                 self.synchronize()
-        elif self._synchronized:
-            warnings.warn(
-                "optimizer.step() called without optimizer.skip_synchronize() context after "
-                "optimizer.synchronize(). This can cause training slowdown. You may want to "
-                "consider using optimizer.skip_synchronize() context if you use "
-                "optimizer.synchronize() in your code.")
-        else:
-            self.synchronize()
-        self._synchronized = False
-        loss = super(self.__class__, self).step(closure)
-        self._session.end_step(self.param_groups[0]["lr"])
-        return loss
+            self._synchronized = False
+            loss = None
+            if self._unscale(scaling.get("grad_scale"), scaling.get("found_inf")):
+                loss = super(self.__class__, self).step(closure)
+            self._session.end_step(self.param_groups[0]["lr"])
+            return loss
+        finally:
+            self.__dict__.update(scaling)
+
+    def _unscale(self, scale, found_inf) -> bool:
+        """Under GradScaler: whether to take the local step, unscaling the gradients first
+        where GradScaler left them scaled (``scale``: step() without unscale_()). The check
+        runs on the reduced gradients, so every rank of a node decides alike."""
+        if found_inf is not None and bool(found_inf.item()):
+            return False
+        if scale is None:
+            return True
+        grads = [p.grad for p in self._all_params() if p.grad is not None]
+        if grads and not bool(torch.stack([g.isfinite().all() for g in grads]).all()):
+            return False
+        for g in grads:
+            g.div_(scale.to(g.device))
+        return True
 
     def _all_params(self):
         return [p for group in self._groups for p in group.params]
