@@ -441,6 +441,32 @@ def check_mixed_precision():
     return "GradScaler: an overflowing node skips its update, gossips on, scale agreed in-node"
 
 
+@checks
+def check_sparse_gradients():
+    """Embedding(sparse=True) gradients: averaged where they must be (mode='allreduce' here,
+    and in-node with several ranks per node), handed back sparse to SGD or dense to Adam with
+    sparse_as_dense=True; the model equals the same run with a dense embedding."""
+    def run(sparse, optimizer, **kwargs):
+        torch.manual_seed(90)
+        model = torch.nn.Sequential(torch.nn.EmbeddingBag(20, 4, mode="sum", sparse=sparse),
+                                    torch.nn.Linear(4, 1))
+        opt = hvd.DistributedOptimizer(optimizer(model.parameters()), mode="allreduce",
+                                       **kwargs)
+        gen = torch.Generator().manual_seed(91 + me)
+        for _ in range(4):
+            opt.zero_grad()
+            words = torch.randint(0, 20, (6, 3), generator=gen)
+            torch.nn.functional.mse_loss(model(words), torch.randn(6, 1, generator=gen)).backward()
+            opt.step()
+        return flat(model)
+
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    adam = lambda params: torch.optim.Adam(params, lr=0.01)  # noqa: E731
+    assert torch.allclose(run(True, sgd), run(False, sgd), atol=1e-6)
+    assert torch.allclose(run(True, adam, sparse_as_dense=True), run(False, adam), atol=1e-6)
+    return "sparse gradients averaged and handed back sparse, or dense with sparse_as_dense"
+
+
 @checks.when(hvd.local_size() > 1)
 def check_node_groups_in_a_user_world():
     """A script that started torch.distributed itself: the in-node group hvd_sgp carves out of

@@ -80,18 +80,27 @@ class FlatGroup:
         return self._grad
 
     def gather_grads(self) -> torch.Tensor:
-        """The gradients as one flat tensor on the group's device (zeros where None)."""
+        """The gradients as one flat tensor on the group's device (zeros where None; sparse
+        gradients, e.g. of an Embedding(sparse=True), densified)."""
         for p, (a, b) in zip(self.params, self.slices):
             if p.grad is None:
                 self.grad[a:b].zero_()
             else:
-                self.grad[a:b].copy_(p.grad.reshape(-1))
+                grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
+                self.grad[a:b].copy_(grad.reshape(-1))
         return self.grad
 
     def scatter_grads(self) -> None:
+        """Hand the reduced gradients back; a sparse gradient stays sparse (rows any rank
+        touched), for optimizers that need one (SparseAdam)."""
         for p, (a, b) in zip(self.params, self.slices):
-            if p.grad is not None:
-                p.grad.copy_(self.grad[a:b].view_as(p.grad))
+            if p.grad is None:
+                continue
+            reduced = self.grad[a:b].view_as(p)
+            if p.grad.is_sparse:
+                p.grad = reduced.to_sparse(p.grad.sparse_dim())
+            else:
+                p.grad.copy_(reduced)
 
     def grads_for_mpi(self):
         """The flat gradients as the core should reduce them (same placement as the buffer)."""

@@ -34,7 +34,7 @@ class StagedAccess:
 class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
     """Mixed into a subclass of the user's optimizer class (see DistributedOptimizer)."""
 
-    def __init__(self, params, named_parameters, backward_passes_per_step,
+    def __init__(self, params, named_parameters, backward_passes_per_step, sparse_as_dense,
                  config: adapter.Settings):
         super(self.__class__, self).__init__(params)
         all_params = [p for group in self.param_groups for p in group["params"]]
@@ -42,6 +42,7 @@ class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
         if len({id(p) for p in all_params}) != len(all_params):
             raise SgpValueError("a parameter appears in more than one param group")
         self.backward_passes_per_step = backward_passes_per_step
+        self._sparse_as_dense = sparse_as_dense
         self._groups = group_parameters(all_params)
         signature = [(self._parameter_names.get(id(p), i), tuple(p.shape), str(p.dtype))
                      for i, p in enumerate(all_params)]
@@ -73,6 +74,10 @@ class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
         """Average gradients exactly within the node (across the world in mode='allreduce')."""
         for group in self._groups:
             group.check_views()
+        if self._sparse_as_dense:
+            for p in self._all_params():
+                if p.grad is not None and p.grad.is_sparse:
+                    p.grad = p.grad.to_dense()
         plan = self._session.begin_step(self._floating_state)
         if plan.reduce:
             for group in self._groups:
@@ -142,11 +147,15 @@ class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
             return False
         if scale is None:
             return True
-        grads = [p.grad for p in self._all_params() if p.grad is not None]
-        if grads and not bool(torch.stack([g.isfinite().all() for g in grads]).all()):
+        params = [p for p in self._all_params() if p.grad is not None]
+        values = [p.grad.coalesce().values() if p.grad.is_sparse else p.grad for p in params]
+        if values and not bool(torch.stack([v.isfinite().all() for v in values]).all()):
             return False
-        for g in grads:
-            g.div_(scale.to(g.device))
+        for p in params:
+            if p.grad.is_sparse:
+                p.grad = p.grad / scale.to(p.grad.device)
+            else:
+                p.grad.div_(scale.to(p.grad.device))
         return True
 
     def _all_params(self):
@@ -203,7 +212,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
 
     Returns an instance of a subclass of the optimizer's class, so isinstance checks, LR
     schedulers and param_groups keep working. ``num_groups``/``groups`` (Horovod's fusion
-    groups) are accepted and unneeded: all parameters already travel as one buffer.
+    groups) are accepted and unneeded: all parameters already travel as one buffer. Sparse
+    gradients are averaged densely where they must be (in-node, or mode='allreduce') and handed
+    back sparse; ``sparse_as_dense=True`` makes them dense for the local step too.
     """
     check_process_set(process_set)
     config = adapter.settings(op, compression, sgp, gradient_predivide_factor,
@@ -213,7 +224,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                             "supported by DistributedOptimizer")
     cls = type(optimizer.__class__.__name__, (adapter.GossipMethods, optimizer.__class__),
                dict(_DistributedOptimizer.__dict__))
-    wrapped = cls(optimizer.param_groups, named_parameters, backward_passes_per_step, config)
+    wrapped = cls(optimizer.param_groups, named_parameters, backward_passes_per_step,
+                  sparse_as_dense, config)
     wrapped.load_state_dict(optimizer.state_dict())
     return wrapped
 
