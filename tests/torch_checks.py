@@ -442,6 +442,25 @@ def check_mixed_precision():
 
 
 @checks
+def check_batchnorm_statistics():
+    """BatchNorm running statistics are not parameters, so SGP does not mix them;
+    average_parameters(model) averages them exactly with the parameters."""
+    torch.manual_seed(95)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6),
+                                torch.nn.Linear(6, 1))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+    train_steps(opt, model, 3, seed=96)
+    bn = model[1]
+    mean = hvd.allreduce(bn.running_mean)
+    var = hvd.allreduce(bn.running_var)
+    opt.average_parameters(model)
+    assert torch.allclose(bn.running_mean, mean, atol=1e-6)
+    assert torch.allclose(bn.running_var, var, atol=1e-6)
+    assert torch.equal(flat(model), hvd.broadcast(flat(model), 0))
+    return "average_parameters(model) averages BatchNorm running statistics too"
+
+
+@checks
 def check_sparse_gradients():
     """Embedding(sparse=True) gradients: averaged where they must be (mode='allreduce' here,
     and in-node with several ranks per node), handed back sparse to SGD or dense to Adam with

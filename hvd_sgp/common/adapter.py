@@ -18,6 +18,7 @@ from hvd_sgp.common.codecs import Codec, codec as make_codec
 from hvd_sgp.common.collectives import ReduceOp
 from hvd_sgp.common.engine import BufferAccess, GossipEngine, StepPlan
 from hvd_sgp.common.errors import NotInitializedError, SgpValueError
+from hvd_sgp.common.node import average_arrays
 
 
 @dataclass(frozen=True)
@@ -156,10 +157,18 @@ class GossipMethods:
         see them. Call it on every rank."""
         self._sgp_session().drain()
 
-    def average_parameters(self) -> None:
+    def average_parameters(self, model: Any = None) -> None:
         """Exact consensus: every rank gets the network average (for evaluation or saving).
-        Call it on every rank."""
+        With ``model``, its floating-point state outside the parameters (BatchNorm running
+        means and variances) is averaged exactly too: SGP never mixes it. Call it on every
+        rank."""
         self._sgp_session().average_parameters()
+        if model is not None:
+            average_arrays(self._sgp_model_state(model), runtime.world_comm())
+
+    def _sgp_model_state(self, model: Any) -> list:
+        """The model's floating-point non-parameter state as arrays of a registered kit."""
+        raise NotImplementedError
 
     def set_epoch(self, epoch: int) -> None:
         """Tell an epoch-based schedule (HVD_SGP_SCHEDULE) which epoch runs."""

@@ -168,6 +168,9 @@ class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
     def _sgp_learning_rate(self) -> float:
         return self.param_groups[0]["lr"]
 
+    def _sgp_model_state(self, model: torch.nn.Module) -> list:
+        return [b for b in model.buffers() if b.is_floating_point()]
+
     def state_dict(self):
         state = super(self.__class__, self).state_dict()
         state["hvd_sgp"] = self._session.state()
