@@ -25,6 +25,7 @@ it, so ``model.save`` writes the plain optimizer and ``load_model`` re-wraps it.
 """
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Optional
 
@@ -155,13 +156,11 @@ class _SgpOptimizer(adapter.GossipMethods):
 class _Keras3Optimizer(_SgpOptimizer):
     """Keras 3: the step is ``apply(grads, trainable_variables)``."""
 
-    _hvd_sgp_inside_loss_scale = False
-
     @tf.autograph.experimental.do_not_convert
     def apply(self, grads, trainable_variables=None):
         if trainable_variables is None and not self.built:
             return super().apply(grads, trainable_variables)  # Keras' own error
-        if self._hvd_sgp_inside_loss_scale:
+        if self._sgp_applied_by_loss_scale():
             raise SgpValueError(
                 "hvd.DistributedOptimizer is inside a LossScaleOptimizer (compile adds one under "
                 "a mixed_float16 policy), which skips steps rank by rank; wrap it the other way "
@@ -172,17 +171,16 @@ class _Keras3Optimizer(_SgpOptimizer):
         super().apply(grads, trainable_variables)
         self._sgp_end()
 
-    # Keras 3's LossScaleOptimizer clears its inner optimizer's loss_scale_factor: that tells
-    # a wrapped optimizer it now runs inside one (only on the steps it finds finite).
-    @property
-    def loss_scale_factor(self):
-        return self.__dict__.get("loss_scale_factor")
-
-    @loss_scale_factor.setter
-    def loss_scale_factor(self, value) -> None:
-        if "_hvd_sgp" in self.__dict__:
-            self.__dict__["_hvd_sgp_inside_loss_scale"] = True
-        self.__dict__["loss_scale_factor"] = value
+    def _sgp_applied_by_loss_scale(self) -> bool:
+        """Whether a LossScaleOptimizer around this one is applying it, from the branch it
+        takes for finite gradients only (looked up on the Python stack: once per trace)."""
+        frame = inspect.currentframe()
+        while frame is not None:
+            outer = frame.f_locals.get("self")
+            if outer is not self and getattr(outer, "inner_optimizer", None) is self:
+                return True
+            frame = frame.f_back
+        return False
 
     def _sgp_session(self) -> adapter.SgpSession:
         if self._hvd_sgp_gossip is None and self.built:
