@@ -12,8 +12,10 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+import numpy as np
+
 from hvd_sgp.common import options as sgp_options
-from hvd_sgp.common import runtime
+from hvd_sgp.common import collectives, runtime
 from hvd_sgp.common.codecs import Codec, codec as make_codec
 from hvd_sgp.common.collectives import ReduceOp
 from hvd_sgp.common.engine import BufferAccess, GossipEngine, StepPlan
@@ -192,3 +194,25 @@ class GossipMethods:
     def load_sgp_state(self, state: dict) -> None:
         """Restore ``sgp_state()``; every rank calls it."""
         self._sgp_session().load_state(state)
+
+
+def all_finite(finite: bool) -> bool:
+    """True when the gradients were finite on every rank (one allreduce). A loss scaler that
+    skips a step must skip it on every rank: otherwise one rank's exchange has no partner and
+    the ranks' loss scales drift apart."""
+    flag = np.array([1 if finite else 0], dtype=np.int32)
+    return bool(collectives.allreduce(flag, ReduceOp.Min)[0])
+
+
+def exact_average(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """The world's exact mean of each array, in float64 (one allreduce): for the running
+    statistics SGP does not gossip (BatchNorm's moving mean and variance), at consensus
+    points. Arrays equal on every rank come back unchanged."""
+    arrays = [np.asarray(a) for a in arrays]
+    if not arrays:
+        return []
+    flat = np.concatenate([a.astype(np.float64).ravel() for a in arrays])
+    if runtime.size() > 1:
+        flat = collectives.allreduce(flat, ReduceOp.Average)
+    parts = np.split(flat, np.cumsum([a.size for a in arrays])[:-1])
+    return [p.reshape(a.shape).astype(a.dtype) for p, a in zip(parts, arrays)]
