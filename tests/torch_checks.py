@@ -4,7 +4,6 @@ Each check prints "ok <name>" on rank 0; a failure raises and ends the job non-z
 """
 import copy
 import math
-import sys
 import warnings
 
 import torch

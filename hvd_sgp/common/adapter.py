@@ -20,7 +20,6 @@ from hvd_sgp.common.codecs import Codec, codec as make_codec
 from hvd_sgp.common.collectives import ReduceOp
 from hvd_sgp.common.engine import BufferAccess, GossipEngine, StepPlan
 from hvd_sgp.common.errors import NotInitializedError, SgpValueError
-from hvd_sgp.common.node import average_arrays
 
 
 @dataclass(frozen=True)
@@ -166,10 +165,11 @@ class GossipMethods:
         rank."""
         self._sgp_session().average_parameters()
         if model is not None:
-            average_arrays(self._sgp_model_state(model), runtime.world_comm())
+            self._sgp_average_statistics(model)
 
-    def _sgp_model_state(self, model: Any) -> list:
-        """The model's floating-point non-parameter state as arrays of a registered kit."""
+    def _sgp_average_statistics(self, model: Any) -> None:
+        """Replace the model's floating-point state outside the parameters by its exact
+        average over all ranks (node.average_arrays, on the framework's arrays)."""
         raise NotImplementedError
 
     def set_epoch(self, epoch: int) -> None:
@@ -204,15 +204,4 @@ def all_finite(finite: bool) -> bool:
     return bool(collectives.allreduce(flag, ReduceOp.Min)[0])
 
 
-def exact_average(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
-    """The world's exact mean of each array, in float64 (one allreduce): for the running
-    statistics SGP does not gossip (BatchNorm's moving mean and variance), at consensus
-    points. Arrays equal on every rank come back unchanged."""
-    arrays = [np.asarray(a) for a in arrays]
-    if not arrays:
-        return []
-    flat = np.concatenate([a.astype(np.float64).ravel() for a in arrays])
-    if runtime.size() > 1:
-        flat = collectives.allreduce(flat, ReduceOp.Average)
-    parts = np.split(flat, np.cumsum([a.size for a in arrays])[:-1])
-    return [p.reshape(a.shape).astype(a.dtype) for p, a in zip(parts, arrays)]
+

@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from hvd_sgp.common import adapter, runtime
 from hvd_sgp.common.errors import SgpValueError
+from hvd_sgp.common.node import average_arrays
 from hvd_sgp.common.pushsum import allocate
 from hvd_sgp.tensorflow import bridge
 
@@ -216,8 +217,9 @@ def average_statistics(model, local: Collection[int] = ()) -> None:
     whose id is in ``local`` stay as they are. Eager; every rank calls it."""
     variables = [v for v in model.non_trainable_variables
                  if tf.as_dtype(v.dtype).is_floating and id(v) not in local]
-    averaged = adapter.exact_average([np.asarray(v.numpy()) for v in variables])
-    for variable, value in zip(variables, averaged):
+    values = [np.array(v.numpy()) for v in variables]
+    average_arrays(values, runtime.world_comm())
+    for variable, value in zip(variables, values):
         variable.assign(value)
 
 

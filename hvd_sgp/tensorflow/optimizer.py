@@ -135,14 +135,8 @@ class _SgpOptimizer(adapter.GossipMethods):
         if self._hvd_sgp_gossip is not None:
             super().set_epoch(epoch)
 
-    def average_parameters(self, model=None) -> None:
-        """Exact consensus: every rank gets the network average of the gossiped variables;
-        with ``model``, also of its running statistics (non-trainable floating-point
-        variables: BatchNorm's moving mean and variance), which SGP does not gossip. Local
-        variables stay each rank's own. Call it on every rank."""
-        super().average_parameters()
-        if model is not None:
-            gossip.average_statistics(model, self._hvd_sgp_local)
+    def _sgp_average_statistics(self, model) -> None:
+        gossip.average_statistics(model, self._hvd_sgp_local)  # local variables stay own
 
     def _sgp_session(self) -> adapter.SgpSession:
         if self._hvd_sgp_gossip is None:

@@ -10,7 +10,8 @@ import contextlib
 import warnings
 import torch
 
-from hvd_sgp.common import adapter
+from hvd_sgp.common import adapter, runtime
+from hvd_sgp.common.node import average_arrays
 from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.common.options import keyword_help
 from hvd_sgp.torch import node_nccl
@@ -168,8 +169,9 @@ class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
     def _sgp_learning_rate(self) -> float:
         return self.param_groups[0]["lr"]
 
-    def _sgp_model_state(self, model: torch.nn.Module) -> list:
-        return [b for b in model.buffers() if b.is_floating_point()]
+    def _sgp_average_statistics(self, model: torch.nn.Module) -> None:
+        average_arrays([b for b in model.buffers() if b.is_floating_point()],
+                       runtime.world_comm())
 
     def state_dict(self):
         state = super(self.__class__, self).state_dict()
