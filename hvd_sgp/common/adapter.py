@@ -95,10 +95,12 @@ class SgpSession:
     def begin_step(self, optimizer_state: Callable[[], Sequence] = tuple) -> StepPlan:
         return self.engine.begin_step(optimizer_state)
 
-    @property
-    def gradient_scale(self) -> float:
-        """Factor on the averaged gradients: Horovod's op=Sum is n times the average."""
-        return float(runtime.size()) if self.settings.sum_gradients else 1.0
+    def gradient_scale(self, plan: Optional[StepPlan] = None) -> float:
+        """The factor on this rank's gradients before ``reduce_gradients`` sums them over
+        ``plan.ranks`` (or, without a reduction, the factor on them in place): 1 / ranks makes
+        the sum an average, and Horovod's op=Sum is n times the average."""
+        total = float(runtime.size()) if self.settings.sum_gradients else 1.0
+        return total / (plan.ranks if plan is not None else 1)
 
     def reduce_gradients(self, grads) -> None:
         self.engine.reduce_gradients(grads)

@@ -30,7 +30,7 @@ from hvd_sgp.common.arrays import kit_for
 from hvd_sgp.common.codecs import Codec, codec as make_codec
 from hvd_sgp.common.errors import ConsistencyError, SgpValueError
 from hvd_sgp.common.mpi import MPI
-from hvd_sgp.common.node import average_arrays, average_in_node, exact_average
+from hvd_sgp.common.node import NodeShard, average_arrays, exact_average
 from hvd_sgp.common.options import SgpOptions
 from hvd_sgp.common.overlap import OverlapMixer
 from hvd_sgp.common.pushsum import PushSumMixer, drain, exchange
@@ -59,8 +59,9 @@ class StepPlan:
     """What the coming step does, as begin_step decided it."""
 
     mode: str  # the exchange after the local step: "sgp", "dpsgd" or "allreduce"
-    reduce: bool  # gradients must be averaged first (over the world in allreduce, else the node)
+    reduce: bool  # gradients must be summed first (over the world in allreduce, else the node)
     entered_allreduce: bool  # switched into AllReduce SGD: parameters and state were averaged
+    ranks: int  # how many ranks reduce_gradients sums (1 without a reduction)
 
 
 class GossipEngine:
@@ -140,7 +141,9 @@ class GossipEngine:
         was_tracking = self.stage is not None and self.tracks_weight
         self.stage = stage
         nodes = self.cross.Get_size()
-        if stage.mode == "allreduce":
+        if stage.mode == "allreduce" or nodes == 1:
+            # one SGP node: every local rank took the same step from the same averaged
+            # gradients, so there is no peer to mix with and no shard to gather back
             self.mixers = []
             return
         if stage.mode == "dpsgd":
@@ -176,19 +179,17 @@ class GossipEngine:
             entered = wanted.mode == "allreduce" and self.stage.mode != "allreduce"
             self._live(lambda: self._enter(wanted, optimizer_state))
         mode = self.stage.mode
-        reduce = ((mode == "allreduce" and self.world.Get_size() > 1)
-                  or self.local.Get_size() > 1)
-        return StepPlan(mode, reduce, entered)
+        ranks = (self.world if mode == "allreduce" else self.local).Get_size()
+        return StepPlan(mode, ranks > 1, entered, ranks)
 
     def reduce_gradients(self, grads) -> None:
-        """Average gradients in place: over the node, or over the world for AllReduce SGD."""
-        if self.stage.mode == "allreduce":
-            if self.world.Get_size() > 1:
-                kit_for(grads).ready(grads)
-                self.world.Allreduce(MPI.IN_PLACE, grads, op=MPI.SUM)
-                grads /= self.world.Get_size()
-        else:
-            average_in_node(grads, self.local)
+        """Sum gradients in place over the plan's ranks (the node, or the world for AllReduce
+        SGD). The adapter scaled them by 1 / plan.ranks in the copy that fused them, so the
+        sum is the average without another pass over the buffer."""
+        comm = self.world if self.stage.mode == "allreduce" else self.local
+        if comm.Get_size() > 1:
+            kit_for(grads).ready(grads)
+            comm.Allreduce(MPI.IN_PLACE, grads, op=MPI.SUM)
 
     def end_step(self, lr: float = 0.0) -> None:
         """The exchange that follows each local step (``lr``: for the consensus metrics)."""
@@ -196,6 +197,9 @@ class GossipEngine:
 
     def _end_step(self, lr: float) -> None:
         mode = self.stage.mode
+        if self.steps == 0 and self.cross.Get_size() == 1:
+            for buf in self.buffers:  # once: local ranks whose start was not broadcast agree
+                NodeShard(buf, self.local).gather()
         self.steps += 1
         if self.timeline is not None:
             self.timeline.step_boundary(self.steps)

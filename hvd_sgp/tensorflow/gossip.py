@@ -85,8 +85,8 @@ class VariableGossip:
         options = self.session.settings.options
         scheduled = bool(options.schedule)
         if options.mode == "allreduce" or scheduled or runtime.local_size() > 1:
-            grads = self._reduce(grads, list(state) if scheduled else [])
-        scale = self.session.gradient_scale
+            return self._reduce(grads, list(state) if scheduled else [])
+        scale = self.session.gradient_scale()
         if scale != 1.0:
             grads = [None if g is None else g * tf.cast(scale, g.dtype) for g in grads]
         return grads
@@ -109,8 +109,11 @@ class VariableGossip:
             self._loaded = bool(state)
             try:
                 plan = self.session.begin_step(lambda: arrays_state)
-                if plan.reduce:
-                    for g in flat_grads:
+                scale = self.session.gradient_scale(plan)
+                for g in flat_grads:
+                    if scale != 1.0:
+                        g *= scale
+                    if plan.reduce:
                         self.session.reduce_gradients(g)
             finally:
                 self._loaded = False

@@ -79,15 +79,20 @@ class FlatGroup:
             self._grad = torch.zeros(self.numel, dtype=self.flat.dtype, device=self.device)
         return self._grad
 
-    def gather_grads(self) -> torch.Tensor:
-        """The gradients as one flat tensor on the group's device (zeros where None; sparse
-        gradients, e.g. of an Embedding(sparse=True), densified)."""
+    def gather_grads(self, scale: float = 1.0) -> torch.Tensor:
+        """The gradients times ``scale`` as one flat tensor on the group's device (zeros where
+        None; sparse gradients, e.g. of an Embedding(sparse=True), densified). The scaling
+        rides in the copy: no separate pass over the buffer."""
         for p, (a, b) in zip(self.params, self.slices):
+            view = self.grad[a:b]
             if p.grad is None:
-                self.grad[a:b].zero_()
+                view.zero_()
+                continue
+            grad = (p.grad.to_dense() if p.grad.is_sparse else p.grad).reshape(-1)
+            if scale == 1.0:
+                view.copy_(grad)
             else:
-                grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
-                self.grad[a:b].copy_(grad.reshape(-1))
+                torch.mul(grad, scale, out=view)
         return self.grad
 
     def scatter_grads(self) -> None:
@@ -102,9 +107,10 @@ class FlatGroup:
             else:
                 p.grad.copy_(reduced)
 
-    def grads_for_mpi(self):
-        """The flat gradients as the core should reduce them (same placement as the buffer)."""
-        grads = self.gather_grads()
+    def grads_for_mpi(self, scale: float = 1.0):
+        """The flat gradients times ``scale`` as the core should reduce them (same placement
+        as the buffer)."""
+        grads = self.gather_grads(scale)
         if self.placement == "view":
             return grads.numpy()
         if self.placement == "direct":

@@ -80,16 +80,16 @@ class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
                 if p.grad is not None and p.grad.is_sparse:
                     p.grad = p.grad.to_dense()
         plan = self._session.begin_step(self._floating_state)
+        scale = self._session.gradient_scale(plan)  # rides in the copy into the flat buffer
         if plan.reduce:
             for group in self._groups:
                 if group.device.type == "cuda" and plan.mode != "allreduce" and node_nccl.usable():
-                    node_nccl.average(group.gather_grads())
+                    node_nccl.allreduce_sum(group.gather_grads(scale))
                     group.scatter_grads()
                 else:
-                    self._session.reduce_gradients(group.grads_for_mpi())
+                    self._session.reduce_gradients(group.grads_for_mpi(scale))
                     group.grads_from_mpi()
-        scale = self._session.gradient_scale
-        if scale != 1.0:
+        elif scale != 1.0:
             for p in self._all_params():
                 if p.grad is not None:
                     p.grad.mul_(scale)
