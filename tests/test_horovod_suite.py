@@ -1,0 +1,84 @@
+"""scripts/horovod_suite.py on a stand-in for Horovod's test file: real 2-rank launches whose
+tests pass, fail, skip, crash a rank or hang one; a hang costs its batch and one re-run, and
+the tree the tests are read from is left untouched."""
+import os
+import subprocess
+import sys
+import textwrap
+
+SUITE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
+                     "horovod_suite.py")
+STAND_IN = textwrap.dedent("""
+    import os
+    import time
+    import unittest
+
+    import horovod
+
+    RANK = int(os.environ["OMPI_COMM_WORLD_RANK"])
+
+
+    class TorchTests(unittest.TestCase):
+        def test_a_passes(self):
+            # The alias package finds Horovod's own helpers in the peer tree.
+            from horovod.runner.util.threads import marker
+            assert marker == "peer"
+
+        def test_b_fails_everywhere(self):
+            assert False, "wrong on every rank"
+
+        def test_c_skips(self):
+            self.skipTest("No GPUs available")
+
+        def test_d_hangs_on_rank_1(self):
+            if RANK == 1:
+                time.sleep(600)
+
+        def test_e_passes_after_the_hang(self):
+            pass
+
+        def test_f_crashes_rank_0(self):
+            if RANK == 0:
+                os._exit(3)
+
+        def test_g_passes_after_the_crash(self):
+            pass
+""")
+
+
+def test_batches_hangs_crashes_and_reruns(tmp_path):
+    peer = tmp_path / "peer"
+    tests = peer / "horovod" / "test" / "parallel"
+    tests.mkdir(parents=True)
+    (tests / "test_torch.py").write_text(STAND_IN)
+    helpers = peer / "horovod" / "horovod" / "runner" / "util"
+    helpers.mkdir(parents=True)
+    (helpers / "threads.py").write_text("marker = 'peer'\n")
+    out, results = tmp_path / "out", tmp_path / "results.tsv"
+    run = subprocess.run([sys.executable, SUITE, "--peer", str(peer), "--layout", "default",
+                          "--batch", "7", "--limit", "20", "--out", str(out),
+                          "--results", str(results), "--min-passed", "default=3"],
+                         capture_output=True, text=True, timeout=600)
+    lines = run.stdout.splitlines()
+    verdicts = dict(line.split()[:2][::-1] for line in lines if line.split()[:1] in (
+        ["PASS"], ["FAIL"], ["SKIP"], ["HANG"]))
+    assert verdicts == {"test_a_passes": "PASS", "test_b_fails_everywhere": "FAIL",
+                        "test_c_skips": "SKIP", "test_d_hangs_on_rank_1": "HANG",
+                        "test_e_passes_after_the_hang": "PASS",
+                        "test_f_crashes_rank_0": "FAIL",
+                        "test_g_passes_after_the_crash": "PASS"}, run.stdout + run.stderr
+    assert "wrong on every rank" in next(l for l in lines if "test_b_" in l)
+    assert "PASS 3, FAIL 2, SKIP 1, HANG 1 of 7 tests" in run.stdout
+    assert run.returncode == 1  # a hang fails the run
+    assert "layout default FAILS the bar: 1 hang(s)" in run.stdout
+    # One batch, then the hung, crashed and unreached tests one launch each.
+    launches = sorted(p.name for p in out.glob("*.log"))
+    assert launches == ["default.batch0.log", "default.test_b_fails_everywhere.log",
+                        "default.test_d_hangs_on_rank_1.log",
+                        "default.test_e_passes_after_the_hang.log",
+                        "default.test_f_crashes_rank_0.log",
+                        "default.test_g_passes_after_the_crash.log"]
+    assert len(results.read_text().splitlines()) == 1 + 1 + 7
+    assert not list(peer.rglob("__pycache__"))  # nothing written into the peer tree
+    leftover = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True)
+    assert leftover.stdout == ""  # every rank of the stopped launches is gone
