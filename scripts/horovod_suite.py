@@ -12,10 +12,13 @@ Why this shape:
   project: a ``horovod`` alias package generated in OUT maps ``horovod.torch`` to
   ``hvd_sgp.torch`` and finds the rest of Horovod's helpers in the peer tree.
 * One MPI launch per test pays MPI and torch start-up 115 times; a batch of tests pays it once.
-* A hang or a broken process must cost only its batch: every launch runs under a time limit,
-  each rank reports each test the moment it ends (``horovod_suite_plugin``), and when a batch has
-  a test that failed, hung or never ran, those tests are run again one launch each, whose result
-  counts (one test's broken state cannot fail the tests after it).
+* A hang or a broken process must cost only its batch: each rank reports each test the moment
+  it ends (``horovod_suite_plugin``), a launch in which no test ends for ``--limit`` seconds is
+  stopped as hung, and a batch's verdicts hold only up to its first test that hung, crashed a
+  rank or ended differently on different ranks. That test is run again alone (its verdict
+  counts); the tests after it that did not pass go into a fresh batch, so one test's broken
+  state cannot fail the tests after it. A test that fails alike on every rank leaves the ranks in
+  step, and its verdict holds without a re-run (each re-run costs a whole start-up).
 * Layouts: ``default`` (all ranks of the machine form one node: exact in-node averaging, as
   Horovod) and ``gossip`` (``HVD_SGP_LOCAL_SIZE=1``: every rank its own SGP node, so the
   optimizer tests see gossip).
@@ -46,7 +49,6 @@ LAYOUTS = {"default": {}, "gossip": {"HVD_SGP_LOCAL_SIZE": "1"}}
 REPORT_VARIABLE = "HVD_SGP_SUITE_REPORT"
 KILL_GRACE_SECONDS = 5.0
 POLL_SECONDS = 1.0
-PYTEST_SETUP_ERRORS = (2, 3, 4)  # interrupted (a collection error), internal error, usage error
 ORDER = {"passed": 0, "skipped": 1, "failed": 2}  # a test's outcome is its worst on any rank
 
 
@@ -180,8 +182,8 @@ def launch(tests: Sequence[str], test_file: str, env: dict, np: int, limit: floa
         seen = 0
         while True:
             try:
-                return Launch(read_reports(report, np), False,
-                              process.wait(timeout=POLL_SECONDS), log)
+                returncode = process.wait(timeout=POLL_SECONDS)
+                return Launch(read_reports(report, np), False, returncode, log)
             except subprocess.TimeoutExpired:
                 now, reported = time.monotonic(), _reported(report, np)
                 if reported != seen:
@@ -219,6 +221,13 @@ def _log_reason(log: str) -> str:
     return (errors or lines[-1:] or ["no output"])[0][:300]
 
 
+def _did_not_load(log: str) -> bool:
+    """Whether pytest could not even collect the test file (an import error, say)."""
+    with open(log, encoding="utf-8", errors="replace") as handle:
+        text = handle.read()
+    return "ERROR collecting" in text or "found no collectors" in text
+
+
 def verdict(test: str, result: Launch, np: int) -> Optional[Result]:
     """The test's verdict from one launch; None when it did not end on every rank although the
     launch ended by itself (a crash, or a test the launch never reached)."""
@@ -232,34 +241,55 @@ def verdict(test: str, result: Launch, np: int) -> Optional[Result]:
     return None
 
 
+def _in_step(test: str, result: Launch, np: int) -> bool:
+    """Whether the test ended on every rank with one outcome: the ranks are still in step."""
+    per_rank = result.outcomes.get(test, {})
+    return len(per_rank) == np and len({outcome for outcome, _ in per_rank.values()}) == 1
+
+
+def _single(test: str, test_file: str, env: dict, options, out: str, layout: str) -> Result:
+    alone = launch([test], test_file, env, options.np, options.limit, options.limit, out,
+                   f"{layout}.{test}")
+    return (verdict(test, alone, options.np)
+            or Result("FAIL", f"exit {alone.returncode}: {_log_reason(alone.log)}"))
+
+
 def run_layout(layout: str, tests: Sequence[str], test_file: str, alias: str, options,
                out: str) -> dict[str, Result]:
-    """Every test of one layout: batches first, then one launch per test a batch left unsure."""
+    """Every test of one layout, in batches. A batch's verdicts hold up to its first test that
+    hung, crashed a rank or ended differently on different ranks: that test is run again alone
+    (its verdict counts), and the tests after it that did not pass go into the next batch, a
+    fresh launch, since the broken one may have failed them."""
     env = suite_environment(alias, layout)
     results: dict[str, Result] = {}
-    batches = [tests[i:i + options.batch] for i in range(0, len(tests), options.batch)]
-    for number, batch in enumerate(batches):
+    pending, number = list(tests), 0
+    while pending:
+        batch, pending = pending[:options.batch], pending[options.batch:]
         ceiling = options.batch_limit or options.limit * len(batch)
         outcome = launch(batch, test_file, env, options.np, options.limit, ceiling, out,
                          f"{layout}.batch{number}")
-        sure = {test: verdict(test, outcome, options.np) for test in batch}
-        clean = all(v is not None and v.verdict in ("PASS", "SKIP") for v in sure.values())
-        broken = not outcome.outcomes and outcome.returncode in PYTEST_SETUP_ERRORS
-        for test in batch:
-            if clean or (sure[test] is not None and sure[test].verdict in ("PASS", "SKIP")):
-                results[test] = sure[test]
-            elif broken:  # the test file did not even load: one launch per test would not help
-                results[test] = Result("FAIL", f"pytest exit {outcome.returncode}: "
-                                               f"{_log_reason(outcome.log)}")
-            else:
-                single = launch([test], test_file, env, options.np, options.limit,
-                                options.limit, out, f"{layout}.{test}")
-                results[test] = (verdict(test, single, options.np)
-                                 or Result("FAIL", f"exit {single.returncode}: "
-                                                   f"{_log_reason(single.log)}"))
-            shown = results[test]
-            print(f"{shown.verdict} {test} {shown.reason}".rstrip(), flush=True)
-    return results
+        number += 1
+        if not outcome.outcomes and _did_not_load(outcome.log):
+            # The test file did not load: launching its tests again would not help.
+            reason = f"pytest exit {outcome.returncode}: {_log_reason(outcome.log)}"
+            found = {test: Result("FAIL", reason) for test in batch}
+        else:
+            found, retry = {}, []
+            broken = next((i for i, test in enumerate(batch)
+                           if not _in_step(test, outcome, options.np)), len(batch))
+            for i, test in enumerate(batch):
+                result = verdict(test, outcome, options.np)
+                if i < broken or (i > broken and result and result.verdict in ("PASS", "SKIP")):
+                    found[test] = result
+                elif i == broken:
+                    found[test] = _single(test, test_file, env, options, out, layout)
+                else:
+                    retry.append(test)
+            pending = retry + pending
+        for test, result in found.items():
+            results[test] = result
+            print(f"{result.verdict} {test} {result.reason}".rstrip(), flush=True)
+    return {test: results[test] for test in tests}
 
 
 def summary(layout: str, results: dict[str, Result], np: int, seconds: float) -> dict[str, int]:
