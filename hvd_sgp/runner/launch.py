@@ -5,7 +5,9 @@ and hvd_sgp adds a few SGP choices (topology, peers, overlap) that the job reads
 environment. sgprun checks what it can before anything starts (host syntax, slots, name
 resolution) and exits with status 2 on a bad request, so a typo never becomes a hung job.
 
-The work is split so that tests need no MPI: ``parse_args`` and ``validate`` read the request,
+horovodrun's flags are declared once, in ``horovod_flags.FLAGS`` (what each maps to, or why it
+is ignored or refused); the SGP flags come from the options table. The work is split so that
+tests need no MPI: ``parse_args`` and ``validate`` read the request,
 ``detect_site`` asks the machine which launcher it has, and ``job_environment`` and
 ``build_command`` are pure functions of those three that return what ``run`` executes.
 """
