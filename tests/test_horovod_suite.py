@@ -30,18 +30,18 @@ STAND_IN = textwrap.dedent("""
         def test_c_skips(self):
             self.skipTest("No GPUs available")
 
-        def test_d_hangs_on_rank_1(self):
-            if RANK == 1:
-                time.sleep(600)
-
-        def test_e_passes_after_the_hang(self):
-            pass
-
-        def test_f_crashes_rank_0(self):
+        def test_d_crashes_rank_0(self):
             if RANK == 0:
                 os._exit(3)
 
-        def test_g_passes_after_the_crash(self):
+        def test_e_passes_after_the_crash(self):
+            pass
+
+        def test_f_hangs_on_rank_1(self):
+            if RANK == 1:
+                time.sleep(600)
+
+        def test_g_passes_after_the_hang(self):
             pass
 """)
 
@@ -63,21 +63,21 @@ def test_batches_hangs_crashes_and_reruns(tmp_path):
     verdicts = dict(line.split()[:2][::-1] for line in lines if line.split()[:1] in (
         ["PASS"], ["FAIL"], ["SKIP"], ["HANG"]))
     assert verdicts == {"test_a_passes": "PASS", "test_b_fails_everywhere": "FAIL",
-                        "test_c_skips": "SKIP", "test_d_hangs_on_rank_1": "HANG",
-                        "test_e_passes_after_the_hang": "PASS",
-                        "test_f_crashes_rank_0": "FAIL",
-                        "test_g_passes_after_the_crash": "PASS"}, run.stdout + run.stderr
+                        "test_c_skips": "SKIP", "test_d_crashes_rank_0": "FAIL",
+                        "test_e_passes_after_the_crash": "PASS",
+                        "test_f_hangs_on_rank_1": "HANG",
+                        "test_g_passes_after_the_hang": "PASS"}, run.stdout + run.stderr
     assert "wrong on every rank" in next(l for l in lines if "test_b_" in l)
     assert "PASS 3, FAIL 2, SKIP 1, HANG 1 of 7 tests" in run.stdout
     assert run.returncode == 1  # a hang fails the run
     assert "layout default FAILS the bar: 1 hang(s)" in run.stdout
-    # Verdicts hold up to the first test that broke step (d hung on rank 1; the job ended when
-    # f crashed rank 0): d is run alone, the tests after it that did not pass go into a fresh
-    # batch, where f crashes again (run alone) and g, never reached, goes into a third batch.
-    # b failed alike on every rank before anything broke: its verdict holds, no re-run.
+    # b failed alike on every rank: its verdict holds. d's crash ended the first batch, maybe
+    # before d ended on rank 1: d runs again alone, e to g in a fresh batch. There f hangs on
+    # rank 1 after every earlier test ended in step: its HANG holds (the hang cost that batch
+    # only), and g, which rank 1 never reached, goes into a third batch.
     launches = sorted(p.name for p in out.glob("*.log"))
     assert launches == ["default.batch0.log", "default.batch1.log", "default.batch2.log",
-                        "default.test_d_hangs_on_rank_1.log", "default.test_f_crashes_rank_0.log"]
+                        "default.test_d_crashes_rank_0.log"]
     assert len(results.read_text().splitlines()) == 1 + 1 + 7
     assert not list(peer.rglob("__pycache__"))  # nothing written into the peer tree
     leftover = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True)
