@@ -262,7 +262,8 @@ def add_arguments(parser: argparse.ArgumentParser,
                                 const=True, default=None, help=help_text)
             if flag.off:
                 target.add_argument(*flag.off, dest=flag.dest, action=_Given, nargs=0,
-                                    const=False, default=None, help=argparse.SUPPRESS)
+                                    const=False, default=None,
+                                    help=f"{tag}turns {flag.spellings[0]} off")
             continue
         parse = None if flag.kind in (str, INTERFACES) else checked(flag.kind)
         target.add_argument(*flag.spellings, dest=flag.dest, action=_Given, type=parse,
