@@ -4,7 +4,7 @@ Usage (from the project root, its virtual environment's bin/ first on PATH or th
 with its Python; ``PYTHONPATH`` at the tree to test):
 
     python scripts/horovod_suite.py [--layout default|gossip|both] [--np 2] [--batch 10]
-        [--limit 90] [--batch-limit S] [-k REGEX] [--out DIR] [--min-passed default=N,gossip=M]
+        [--limit 90] [--budget S] [-k REGEX] [--out DIR] [--min-passed default=N,gossip=M]
 
 Why this shape:
 
@@ -24,13 +24,18 @@ Why this shape:
   Horovod) and ``gossip`` (``HVD_SGP_LOCAL_SIZE=1``: every rank its own SGP node, so the
   optimizer tests see gossip).
 
-Prints ``PASS|FAIL|SKIP|HANG <test> [first error]`` per test and one summary line per layout;
-logs and per-rank reports stay in OUT. Exits 1 when a test hangs or a layout passes fewer tests
-than its ``--min-passed`` number, 2 on a bad request, else 0.
+* ``--budget`` keeps the run inside CI's time: no launch starts once a layout's share is spent,
+  and the tests left are NOT RUN (that layout's pass floor is then not checked; a hang still
+  fails).
+
+Prints ``PASS|FAIL|SKIP|HANG|NOT RUN <test> [first error]`` per test and one summary line per
+layout; logs and per-rank reports stay in OUT. Exits 1 when a test hangs or a layout passes
+fewer tests than its ``--min-passed`` number, 2 on a bad request, else 0.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import shutil
@@ -50,6 +55,7 @@ LAYOUTS = {"default": {}, "gossip": {"HVD_SGP_LOCAL_SIZE": "1"}}
 REPORT_VARIABLE = "HVD_SGP_SUITE_REPORT"
 KILL_GRACE_SECONDS = 5.0
 POLL_SECONDS = 1.0
+VERDICTS = ("PASS", "FAIL", "SKIP", "HANG", "NOT RUN")
 ORDER = {"passed": 0, "skipped": 1, "failed": 2}  # a test's outcome is its worst on any rank
 
 
@@ -166,9 +172,9 @@ def _reported(report: str, np: int) -> int:
 
 
 def launch(tests: Sequence[str], test_file: str, env: dict, np: int, limit: float,
-           ceiling: float, out: str, name: str) -> Launch:
-    """Run ``tests`` in one ``mpirun -np`` launch of pytest. It is stopped as hung when no test
-    ends on any rank for ``limit`` seconds (start-up included), or after ``ceiling`` seconds."""
+           out: str, name: str) -> Launch:
+    """Run ``tests`` in one ``mpirun -np`` launch of pytest, stopped as hung when no test ends
+    on any rank for ``limit`` seconds (start-up included)."""
     report = os.path.join(out, f"{name}.report")
     log = os.path.join(out, f"{name}.log")
     command = [mpirun_path(), "-np", str(np), "--oversubscribe", "--bind-to", "none",
@@ -179,8 +185,7 @@ def launch(tests: Sequence[str], test_file: str, env: dict, np: int, limit: floa
         process = subprocess.Popen(command, cwd=out, env={**env, REPORT_VARIABLE: report},
                                    stdout=handle, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, start_new_session=True)
-        start = moved = time.monotonic()
-        seen = 0
+        moved, seen = time.monotonic(), 0
         while True:
             try:
                 returncode = process.wait(timeout=POLL_SECONDS)
@@ -189,7 +194,7 @@ def launch(tests: Sequence[str], test_file: str, env: dict, np: int, limit: floa
                 now, reported = time.monotonic(), _reported(report, np)
                 if reported != seen:
                     seen, moved = reported, now
-                if now - moved > limit or now - start > ceiling:
+                if now - moved > limit:
                     break
         _stop(process, report)
         process.wait()
@@ -249,26 +254,25 @@ def _in_step(test: str, result: Launch, np: int) -> bool:
 
 
 def _single(test: str, test_file: str, env: dict, options, out: str, layout: str) -> Result:
-    alone = launch([test], test_file, env, options.np, options.limit, options.limit, out,
-                   f"{layout}.{test}")
+    alone = launch([test], test_file, env, options.np, options.limit, out, f"{layout}.{test}")
     return (verdict(test, alone, options.np)
             or Result("FAIL", f"exit {alone.returncode}: {_log_reason(alone.log)}"))
 
 
 def run_layout(layout: str, tests: Sequence[str], test_file: str, alias: str, options,
-               out: str) -> dict[str, Result]:
+               out: str, deadline: float) -> dict[str, Result]:
     """Every test of one layout, in batches. A batch's verdicts hold up to its first test that
     hung or ended differently on different ranks, and that test's own verdict holds too (the
     tests before it left the ranks in step); a test cut short because another rank crashed the
     launch is run again alone. The tests after it that did not pass go into the next batch, a
-    fresh launch, since the broken state may have failed them."""
+    fresh launch, since the broken state may have failed them. No launch starts after
+    ``deadline`` (monotonic seconds): the tests left are NOT RUN."""
     env = suite_environment(alias, layout)
     results: dict[str, Result] = {}
     pending, number = list(tests), 0
-    while pending:
+    while pending and time.monotonic() < deadline:
         batch, pending = pending[:options.batch], pending[options.batch:]
-        ceiling = options.batch_limit or options.limit * len(batch)
-        outcome = launch(batch, test_file, env, options.np, options.limit, ceiling, out,
+        outcome = launch(batch, test_file, env, options.np, options.limit, out,
                          f"{layout}.batch{number}")
         number += 1
         if not outcome.outcomes and _did_not_load(outcome.log):
@@ -291,17 +295,19 @@ def run_layout(layout: str, tests: Sequence[str], test_file: str, alias: str, op
         for test, result in found.items():
             results[test] = result
             print(f"{result.verdict} {test} {result.reason}".rstrip(), flush=True)
+    for test in pending:
+        results[test] = Result("NOT RUN", "the time budget was spent")
+        print(f"NOT RUN {test}", flush=True)
     return {test: results[test] for test in tests}
 
 
 def summary(layout: str, results: dict[str, Result], np: int, seconds: float) -> dict[str, int]:
-    counts = {v: sum(r.verdict == v for r in results.values())
-              for v in ("PASS", "FAIL", "SKIP", "HANG")}
+    counts = {v: sum(r.verdict == v for r in results.values()) for v in VERDICTS}
     # Worded so that it is not mistaken for the project's own test-runner summary.
     print(f"horovod test_torch.py on hvd_sgp.torch, np={np}, layout {layout} "
           f"({'HVD_SGP_LOCAL_SIZE=1' if layout == 'gossip' else 'one node per machine'}): "
-          f"PASS {counts['PASS']}, FAIL {counts['FAIL']}, SKIP {counts['SKIP']}, "
-          f"HANG {counts['HANG']} of {len(results)} tests in {seconds:.0f} s", flush=True)
+          + ", ".join(f"{v} {n}" for v, n in counts.items() if n or v != "NOT RUN")
+          + f" of {len(results)} tests in {seconds:.0f} s", flush=True)
     return counts
 
 
@@ -327,8 +333,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--limit", type=float, default=90.0,
                         help="seconds a launch may go without a test ending before it counts as "
                              "hung (start-up included; the peer script's per-test limit)")
-    parser.add_argument("--batch-limit", type=float, default=None,
-                        help="seconds a batch launch may take in all (default: limit * tests)")
+    parser.add_argument("--budget", type=float, default=math.inf,
+                        help="seconds for the whole run, shared by the layouts still to run; "
+                             "tests not started by then are NOT RUN (a layout with such tests "
+                             "is not held to its --min-passed floor)")
     parser.add_argument("-k", dest="select", default=None, help="only tests matching this regex")
     parser.add_argument("--out", default=None, help="a new or empty folder for logs")
     parser.add_argument("--results", default=None,
@@ -357,15 +365,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     alias = make_alias(out, os.path.abspath(args.peer))
     print(f"horovod_suite: {len(tests)} tests of {test_file}, logs in {out}", flush=True)
     status, table = 0, []
-    for layout in (LAYOUTS if args.layout == "both" else (args.layout,)):
+    layouts = list(LAYOUTS) if args.layout == "both" else [args.layout]
+    end = time.monotonic() + args.budget
+    for number, layout in enumerate(layouts):
         start = time.monotonic()
-        results = run_layout(layout, tests, test_file, alias, args, out)
+        share = (end - start) / (len(layouts) - number)  # what is left, shared by what is left
+        results = run_layout(layout, tests, test_file, alias, args, out, start + share)
         counts = summary(layout, results, args.np, time.monotonic() - start)
         table.append(f"# {layout}: " + ", ".join(f"{v} {n}" for v, n in counts.items()) +
                      f" of {len(results)} tests, np={args.np}, batches of {args.batch}, "
                      f"{time.monotonic() - start:.0f} s")
         table += [f"{layout}\t{test}\t{r.verdict}\t{r.reason}" for test, r in results.items()]
-        floor = args.min_passed[layout]
+        floor = args.min_passed[layout] if not counts["NOT RUN"] else 0
+        if counts["NOT RUN"]:
+            print(f"horovod_suite: layout {layout}: {counts['NOT RUN']} tests not run within the "
+                  "time budget; its floor is not checked", flush=True)
         if counts["HANG"] or counts["PASS"] < floor:
             print(f"horovod_suite: layout {layout} FAILS the bar: {counts['HANG']} hang(s), "
                   f"{counts['PASS']} passed where at least {floor} must", flush=True)

@@ -82,3 +82,18 @@ def test_batches_hangs_crashes_and_reruns(tmp_path):
     assert not list(peer.rglob("__pycache__"))  # nothing written into the peer tree
     leftover = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True)
     assert leftover.stdout == ""  # every rank of the stopped launches is gone
+
+
+def test_a_spent_budget_leaves_tests_not_run(tmp_path):
+    peer = tmp_path / "peer"
+    tests = peer / "horovod" / "test" / "parallel"
+    tests.mkdir(parents=True)
+    (tests / "test_torch.py").write_text(STAND_IN)
+    run = subprocess.run([sys.executable, SUITE, "--peer", str(peer), "--layout", "both",
+                          "--budget", "0", "--out", str(tmp_path / "out"),
+                          "--min-passed", "default=7,gossip=7"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr  # nothing hung; floors not checked
+    assert run.stdout.count("NOT RUN test_") == 14
+    assert "PASS 0, FAIL 0, SKIP 0, HANG 0, NOT RUN 7 of 7 tests" in run.stdout
+    assert not list((tmp_path / "out").glob("*.log"))  # no launch started
