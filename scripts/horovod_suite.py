@@ -15,10 +15,10 @@ Why this shape:
 * A hang or a broken process must cost only its batch: each rank reports each test the moment
   it ends (``horovod_suite_plugin``), a launch in which no test ends for ``--limit`` seconds is
   stopped as hung, and a batch's verdicts hold only up to its first test that hung, crashed a
-  rank or ended differently on different ranks. That test's verdict holds (the tests before it
-  left the ranks in step), except that a test cut short by another rank's crash is run again
-  alone; the tests after it that did not pass go into a fresh batch, so one test's broken state
-  cannot fail the tests after it. A test that fails alike on every rank leaves the ranks in step
+  rank or ended differently on different ranks. A hang holds (the tests before it left the
+  ranks in step, so it is the test's own; running it again would cost another ``--limit``); the
+  others are run again alone and that verdict counts. The tests after it that did not pass go
+  into a fresh batch, so one test's broken state cannot fail the tests after it. A test that fails alike on every rank leaves the ranks in step
   and is not re-run: each launch costs a whole start-up (about 25 s under a heavy load).
 * Layouts: ``default`` (all ranks of the machine form one node: exact in-node averaging, as
   Horovod) and ``gossip`` (``HVD_SGP_LOCAL_SIZE=1``: every rank its own SGP node, so the
@@ -262,10 +262,11 @@ def _single(test: str, test_file: str, env: dict, options, out: str, layout: str
 def run_layout(layout: str, tests: Sequence[str], test_file: str, alias: str, options,
                out: str, deadline: float) -> dict[str, Result]:
     """Every test of one layout, in batches. A batch's verdicts hold up to its first test that
-    hung or ended differently on different ranks, and that test's own verdict holds too (the
-    tests before it left the ranks in step); a test cut short because another rank crashed the
-    launch is run again alone. The tests after it that did not pass go into the next batch, a
-    fresh launch, since the broken state may have failed them. No launch starts after
+    hung, was cut short by a crash or ended differently on different ranks. A hang is that
+    test's own (the tests before it left the ranks in step) and holds; the others are run again
+    alone, whose verdict counts (a rank that lagged under load can fail a timing test). The
+    tests after it that did not pass go into the next batch, a fresh launch, since the broken
+    state may have failed them. No launch starts after
     ``deadline`` (monotonic seconds): the tests left are NOT RUN."""
     env = suite_environment(alias, layout)
     results: dict[str, Result] = {}
@@ -287,8 +288,10 @@ def run_layout(layout: str, tests: Sequence[str], test_file: str, alias: str, op
                 result = verdict(test, outcome, options.np)
                 if i < broken or (i > broken and result and result.verdict in ("PASS", "SKIP")):
                     found[test] = result
-                elif i == broken:  # its own verdict, unless the launch ended under it
-                    found[test] = result or _single(test, test_file, env, options, out, layout)
+                elif i == broken:  # a hang is its own; anything else gets a launch alone
+                    hung = result is not None and result.verdict == "HANG"
+                    found[test] = result if hung else _single(test, test_file, env, options,
+                                                              out, layout)
                 else:
                     retry.append(test)
             pending = retry + pending

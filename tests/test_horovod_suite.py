@@ -43,6 +43,12 @@ STAND_IN = textwrap.dedent("""
 
         def test_g_passes_after_the_hang(self):
             pass
+
+        def test_h_fails_once_on_rank_1(self):
+            # Fails the first time rank 1 runs it (as a timing test may in a loaded batch).
+            if RANK == 1 and not os.path.exists("h_failed_once"):
+                open("h_failed_once", "w").close()
+                assert False, "rank 1 lagged"
 """)
 
 
@@ -56,7 +62,7 @@ def test_batches_hangs_crashes_and_reruns(tmp_path):
     (helpers / "threads.py").write_text("marker = 'peer'\n")
     out, results = tmp_path / "out", tmp_path / "results.tsv"
     run = subprocess.run([sys.executable, SUITE, "--peer", str(peer), "--layout", "default",
-                          "--batch", "7", "--limit", "20", "--out", str(out),
+                          "--batch", "8", "--limit", "20", "--out", str(out),
                           "--results", str(results), "--min-passed", "default=3"],
                          capture_output=True, text=True, timeout=600)
     lines = run.stdout.splitlines()
@@ -66,19 +72,22 @@ def test_batches_hangs_crashes_and_reruns(tmp_path):
                         "test_c_skips": "SKIP", "test_d_crashes_rank_0": "FAIL",
                         "test_e_passes_after_the_crash": "PASS",
                         "test_f_hangs_on_rank_1": "HANG",
-                        "test_g_passes_after_the_hang": "PASS"}, run.stdout + run.stderr
+                        "test_g_passes_after_the_hang": "PASS",
+                        "test_h_fails_once_on_rank_1": "PASS"}, run.stdout + run.stderr
     assert "wrong on every rank" in next(l for l in lines if "test_b_" in l)
-    assert "PASS 3, FAIL 2, SKIP 1, HANG 1 of 7 tests" in run.stdout
+    assert "PASS 4, FAIL 2, SKIP 1, HANG 1 of 8 tests" in run.stdout
     assert run.returncode == 1  # a hang fails the run
     assert "layout default FAILS the bar: 1 hang(s)" in run.stdout
     # b failed alike on every rank: its verdict holds. d's crash ended the first batch, maybe
-    # before d ended on rank 1: d runs again alone, e to g in a fresh batch. There f hangs on
+    # before d ended on rank 1: d runs again alone, e to h in a fresh batch. There f hangs on
     # rank 1 after every earlier test ended in step: its HANG holds (the hang cost that batch
-    # only), and g, which rank 1 never reached, goes into a third batch.
+    # only), and g and h, which rank 1 never reached, go into a third batch, where h fails on
+    # rank 1 only: run alone, it passes, and that verdict counts.
     launches = sorted(p.name for p in out.glob("*.log"))
     assert launches == ["default.batch0.log", "default.batch1.log", "default.batch2.log",
-                        "default.test_d_crashes_rank_0.log"]
-    assert len(results.read_text().splitlines()) == 1 + 1 + 7
+                        "default.test_d_crashes_rank_0.log",
+                        "default.test_h_fails_once_on_rank_1.log"]
+    assert len(results.read_text().splitlines()) == 1 + 1 + 8
     assert not list(peer.rglob("__pycache__"))  # nothing written into the peer tree
     leftover = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True)
     assert leftover.stdout == ""  # every rank of the stopped launches is gone
@@ -91,9 +100,9 @@ def test_a_spent_budget_leaves_tests_not_run(tmp_path):
     (tests / "test_torch.py").write_text(STAND_IN)
     run = subprocess.run([sys.executable, SUITE, "--peer", str(peer), "--layout", "both",
                           "--budget", "0", "--out", str(tmp_path / "out"),
-                          "--min-passed", "default=7,gossip=7"],
+                          "--min-passed", "default=8,gossip=8"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr  # nothing hung; floors not checked
-    assert run.stdout.count("NOT RUN test_") == 14
-    assert "PASS 0, FAIL 0, SKIP 0, HANG 0, NOT RUN 7 of 7 tests" in run.stdout
+    assert run.stdout.count("NOT RUN test_") == 16
+    assert "PASS 0, FAIL 0, SKIP 0, HANG 0, NOT RUN 8 of 8 tests" in run.stdout
     assert not list((tmp_path / "out").glob("*.log"))  # no launch started
