@@ -29,8 +29,10 @@ Why this shape:
   fails).
 
 Prints ``PASS|FAIL|SKIP|HANG|NOT RUN <test> [first error]`` per test and one summary line per
-layout; logs and per-rank reports stay in OUT. Exits 1 when a test hangs or a layout passes
-fewer tests than its ``--min-passed`` number, 2 on a bad request, else 0.
+layout; logs and per-rank reports stay in OUT. Exits 1 when a test hangs (other than the
+``--known-hangs``) or a layout passes fewer tests than its ``--min-passed`` number, 2 on a bad
+request, else 0. Unless the caller sets it, ``HVD_SGP_TIMEOUT`` is 45 s (below ``--limit``): a
+wait with hvd_sgp's deadline ends as a named error, so HANG means a wait without one.
 """
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ LAYOUTS = {"default": {}, "gossip": {"HVD_SGP_LOCAL_SIZE": "1"}}
 REPORT_VARIABLE = "HVD_SGP_SUITE_REPORT"
 KILL_GRACE_SECONDS = 5.0
 POLL_SECONDS = 1.0
+DEADLINE_SECONDS = 45
 VERDICTS = ("PASS", "FAIL", "SKIP", "HANG", "NOT RUN")
 ORDER = {"passed": 0, "skipped": 1, "failed": 2}  # a test's outcome is its worst on any rank
 
@@ -120,6 +123,9 @@ def suite_environment(alias: str, layout: str) -> dict[str, str]:
                 "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
     env.pop("HVD_SGP_LOCAL_SIZE", None)
     env.update(LAYOUTS[layout])
+    # hvd_sgp's own deadline on every wait, shorter than --limit: a wait that has a deadline
+    # ends as a named error (FAIL); what still hangs is a wait without one.
+    env.setdefault("HVD_SGP_TIMEOUT", str(DEADLINE_SECONDS))
     return env
 
 
@@ -345,6 +351,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--results", default=None,
                         help="also write every verdict here as TSV (layout, test, verdict, "
                              "reason) for scripts/horovod_compatibility.py")
+    parser.add_argument("--known-hangs", type=lambda text: set(filter(None, text.split(","))),
+                        default=set(), help="TEST,...: tests known to hang today; their HANG is "
+                                            "reported but does not fail the run")
     parser.add_argument("--min-passed", type=_thresholds, default=_thresholds(""),
                         help="LAYOUT=N,...: fail when a layout passes fewer tests")
     args = parser.parse_args(argv)
@@ -383,8 +392,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if counts["NOT RUN"]:
             print(f"horovod_suite: layout {layout}: {counts['NOT RUN']} tests not run within the "
                   "time budget; its floor is not checked", flush=True)
-        if counts["HANG"] or counts["PASS"] < floor:
-            print(f"horovod_suite: layout {layout} FAILS the bar: {counts['HANG']} hang(s), "
+        hung = {test for test, r in results.items() if r.verdict == "HANG"}
+        new_hangs = sorted(hung - args.known_hangs)
+        if hung & args.known_hangs:
+            print(f"horovod_suite: layout {layout}: known hang(s) {sorted(hung & args.known_hangs)}",
+                  flush=True)
+        if new_hangs or counts["PASS"] < floor:
+            print(f"horovod_suite: layout {layout} FAILS the bar: new hang(s) {new_hangs}, "
                   f"{counts['PASS']} passed where at least {floor} must", flush=True)
             status = 1
     if args.results:

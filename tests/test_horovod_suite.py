@@ -77,7 +77,7 @@ def test_batches_hangs_crashes_and_reruns(tmp_path):
     assert "wrong on every rank" in next(l for l in lines if "test_b_" in l)
     assert "PASS 4, FAIL 2, SKIP 1, HANG 1 of 8 tests" in run.stdout
     assert run.returncode == 1  # a hang fails the run
-    assert "layout default FAILS the bar: 1 hang(s)" in run.stdout
+    assert "layout default FAILS the bar: new hang(s) ['test_f_hangs_on_rank_1']" in run.stdout
     # b failed alike on every rank: its verdict holds. d's crash ended the first batch, maybe
     # before d ended on rank 1: d runs again alone, e to h in a fresh batch. There f hangs on
     # rank 1 after every earlier test ended in step: its HANG holds (the hang cost that batch
@@ -106,3 +106,17 @@ def test_a_spent_budget_leaves_tests_not_run(tmp_path):
     assert run.stdout.count("NOT RUN test_") == 16
     assert "PASS 0, FAIL 0, SKIP 0, HANG 0, NOT RUN 8 of 8 tests" in run.stdout
     assert not list((tmp_path / "out").glob("*.log"))  # no launch started
+
+
+def test_a_known_hang_is_reported_without_failing(tmp_path):
+    peer = tmp_path / "peer"
+    tests = peer / "horovod" / "test" / "parallel"
+    tests.mkdir(parents=True)
+    (tests / "test_torch.py").write_text(STAND_IN)
+    run = subprocess.run([sys.executable, SUITE, "--peer", str(peer), "--layout", "gossip",
+                          "-k", "test_f_", "--limit", "15", "--out", str(tmp_path / "out"),
+                          "--known-hangs", "test_f_hangs_on_rank_1,test_not_there"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "HANG test_f_hangs_on_rank_1" in run.stdout
+    assert "layout gossip: known hang(s) ['test_f_hangs_on_rank_1']" in run.stdout
