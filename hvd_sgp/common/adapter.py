@@ -102,8 +102,8 @@ class SgpSession:
         total = float(runtime.size()) if self.settings.sum_gradients else 1.0
         return total / (plan.ranks if plan is not None else 1)
 
-    def reduce_gradients(self, grads) -> None:
-        self.engine.reduce_gradients(grads)
+    def reduce_gradients(self, grads, sum_in_node: Optional[Callable] = None) -> None:
+        self.engine.reduce_gradients(grads, sum_in_node)
 
     def end_step(self, lr: float = 0.0) -> None:
         self.engine.end_step(float(lr))

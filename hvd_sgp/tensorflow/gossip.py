@@ -102,7 +102,6 @@ class VariableGossip:
             dtypes += dtypes + [tf.as_dtype(v.dtype) for v in state]
 
         def reduce(*arrays) -> list[np.ndarray]:
-            flat_grads = [np.array(a) for a in arrays[:groups]]  # TF's inputs are read-only
             arrays_state = [np.array(a) for a in arrays[2 * groups:]]
             if state:
                 self._load(arrays[groups:2 * groups])
@@ -110,11 +109,13 @@ class VariableGossip:
             try:
                 plan = self.session.begin_step(lambda: arrays_state)
                 scale = self.session.gradient_scale(plan)
-                for g in flat_grads:
-                    if scale != 1.0:
-                        g *= scale
+                flat_grads = []
+                for given in arrays[:groups]:  # TF's inputs are read-only: scaled copies,
+                    flat = np.empty(len(given) + 1, given.dtype)  # and the engine's element
+                    np.multiply(given, scale, out=flat[:-1])
                     if plan.reduce:
-                        self.session.reduce_gradients(g)
+                        self.session.reduce_gradients(flat)
+                    flat_grads.append(flat[:-1])
             finally:
                 self._loaded = False
             if not state:

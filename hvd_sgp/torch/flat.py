@@ -75,8 +75,9 @@ class FlatGroup:
 
     @property
     def grad(self) -> torch.Tensor:
+        """The flat gradients, and one spare element for the engine (see engine.py)."""
         if self._grad is None:
-            self._grad = torch.zeros(self.numel, dtype=self.flat.dtype, device=self.device)
+            self._grad = torch.zeros(self.numel + 1, dtype=self.flat.dtype, device=self.device)
         return self._grad
 
     def gather_grads(self, scale: float = 1.0) -> torch.Tensor:
@@ -116,7 +117,7 @@ class FlatGroup:
         if self.placement == "direct":
             return grads
         if self._host_grad is None:
-            self._host_grad = torch.empty(self.numel, dtype=grads.dtype,
+            self._host_grad = torch.empty(self.numel + 1, dtype=grads.dtype,
                                           pin_memory=self.device.type == "cuda")
         self._host_grad.copy_(grads)
         return self._host_grad.numpy()

@@ -84,7 +84,8 @@ class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
         if plan.reduce:
             for group in self._groups:
                 if group.device.type == "cuda" and plan.mode != "allreduce" and node_nccl.usable():
-                    node_nccl.allreduce_sum(group.gather_grads(scale))
+                    self._session.reduce_gradients(group.gather_grads(scale),
+                                                   node_nccl.allreduce_sum)
                     group.scatter_grads()
                 else:
                     self._session.reduce_gradients(group.grads_for_mpi(scale))
