@@ -17,7 +17,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from hvd_sgp.common import collectives, runtime
+from hvd_sgp.common import runtime
+from hvd_sgp.common.horovod_api import collectives
 from hvd_sgp.common.engine import GossipEngine
 from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.common.options import SgpOptions

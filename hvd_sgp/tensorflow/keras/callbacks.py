@@ -11,7 +11,8 @@ from typing import Callable, Optional, Union
 import keras
 import numpy as np
 
-from hvd_sgp.common import collectives, runtime
+from hvd_sgp.common import runtime
+from hvd_sgp.common.horovod_api import collectives
 from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.tensorflow.mpi_ops import broadcast_variables
 

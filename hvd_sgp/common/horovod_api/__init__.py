@@ -1,0 +1,9 @@
+"""Horovod's collective API in the framework-free core: negotiated collectives on numpy
+arrays, process sets, join and the stall check (numpy + mpi4py; importing starts no MPI).
+
+negotiation   the agreement round before every collective, deadlines, the progress loop
+process_sets  ProcessSet, registration, one communicator and controller per set
+collectives   the kinds (allreduce, allgather, broadcast, alltoall, reducescatter, barrier)
+join          join() as an event loop, and the participant hook for the optimizer
+basics        Horovod's flat namespace shared by the torch and tensorflow adapters
+"""
