@@ -112,7 +112,7 @@ def grouped_allgather(tensors: Sequence, name: Optional[str] = None,
             rows = [tf.reshape(tf.shape(x)[0] if x.shape.rank else 1, [1]) for x in xs]
             everyone = grouped_allgather(rows, process_set=process_set)
             me = process_set.rank()
-            return [tf.reshape(tf.split(r, tf.cast(e, tf.int64), axis=0)[me], tf.shape(x))
+            return [tf.reshape(r[tf.reduce_sum(e[:me]):tf.reduce_sum(e[:me + 1])], tf.shape(x))
                     for r, e, x in zip(reduced, everyone, xs)]
         return _run("allgather", lambda arrays, names: collectives.grouped_allgather_async(
             arrays, name, process_set, names), xs, [_leading_unknown(x) for x in xs]), grad

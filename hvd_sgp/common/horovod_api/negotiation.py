@@ -494,9 +494,9 @@ class Controller:
 
     def disagreement(self, values: dict[int, Any]) -> str:
         """'rank 0: a; ranks 1, 2: b' for values by set rank."""
-        groups: dict[Any, list[int]] = {}
+        groups: dict[str, list[int]] = {}
         for r in sorted(values):
-            groups.setdefault(values[r], []).append(r)
+            groups.setdefault(str(values[r]), []).append(r)
         return "; ".join(f"{self.rank_list(rs)}: {v}" for v, rs in groups.items())
 
     def close(self) -> None:
@@ -541,6 +541,8 @@ def wait_until(done: Callable[[], bool]) -> None:
         elif time.monotonic() - began > SPIN_SECONDS:
             pause = min(max(pause * 2, 5e-5), MAX_PAUSE_SECONDS)
             time.sleep(pause)
+        else:
+            os.sched_yield()  # a peer rank on the same core gets it at once
 
 
 def lock() -> threading.RLock:
@@ -559,14 +561,14 @@ class TimelineRecorder:
         now = self.timeline.now_us()
         kind = op.request.kind.upper()
         self.timeline.event(f"NEGOTIATE_{kind}", now - (time.monotonic() - op.submitted) * 1e6,
-                            now, name=op.request.name, error=response.error)
+                            now, tensor=op.request.name, error=response.error)
         if self.mark_cycles:
             self.timeline.event("CYCLE_START", now, now)
 
     def moved(self, op: Operation) -> None:
         now = self.timeline.now_us()
         self.timeline.event(op.request.kind.upper(), now - (time.monotonic() - op.started) * 1e6,
-                            now, name=op.request.name)
+                            now, tensor=op.request.name)
 
 
 _timeline: Optional[TimelineRecorder] = None

@@ -212,7 +212,7 @@ class _AddSet(Kind):
 
     def check(self, requests, ctl):
         values = {r: list(q.extra) for r, q in requests.items()}
-        if len({tuple(v) for v in values.values()}) > 1:
+        if len({q.extra for q in requests.values()}) > 1:
             return f"ranks passed different process sets: {ctl.disagreement(values)}"
         return ""
 
