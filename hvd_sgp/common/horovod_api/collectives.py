@@ -137,10 +137,18 @@ def _identity(op: ReduceOp, spec: TensorSpec) -> np.ndarray:
 
 
 class _Fused:
-    """Arrays packed into one flat buffer per dtype (one MPI call per dtype)."""
+    """Arrays packed into one flat buffer per dtype (one MPI call per dtype). ``fill``: with
+    the arrays' values (else empty, to receive); ``own``: the arrays are fresh copies, so a
+    lone array can be its own buffer."""
 
-    def __init__(self, arrays: Sequence[np.ndarray], fill: bool = True):
+    def __init__(self, arrays: Sequence[np.ndarray], fill: bool = True, own: bool = False):
         self.shapes = [a.shape for a in arrays]
+        if len(arrays) == 1:  # the common case: no packing
+            a = arrays[0]
+            self.groups = {a.dtype: [0]}
+            self.buffers = [(a.reshape(-1) if own else a.flatten()) if fill
+                            else np.empty(a.size, a.dtype)]
+            return
         self.groups: dict[np.dtype, list[int]] = {}
         for i, a in enumerate(arrays):
             self.groups.setdefault(a.dtype, []).append(i)
@@ -153,6 +161,8 @@ class _Fused:
                 self.buffers.append(np.empty(sum(arrays[i].size for i in members), dtype))
 
     def parts(self) -> list[np.ndarray]:
+        if len(self.shapes) == 1:
+            return [self.buffers[0].reshape(self.shapes[0])]
         out: list[Optional[np.ndarray]] = [None] * len(self.shapes)
         for buffer, members in zip(self.buffers, self.groups.values()):
             offset = 0
@@ -216,7 +226,7 @@ class _Allreduce(Kind):
         reduction = ReduceOp(request.op)
         inputs = op.arrays if op.arrays is not None else [
             _identity(reduction, s) for s in request.specs]
-        fused = _Fused([_prescaled(a, request.prescale) for a in inputs])
+        fused = _Fused([_prescaled(a, request.prescale) for a in inputs], own=True)
         yield [ctl.comm.Iallreduce(MPI.IN_PLACE, b, op=_MPI_OPS[reduction])
                for b in fused.buffers], False
         divisor = ctl.size if reduction == ReduceOp.Average else 1
@@ -329,7 +339,7 @@ def submit(kind: str, arrays: Optional[list], process_set: ProcessSet, name: Opt
     arrays = [np.asarray(a) if isinstance(a, np.generic) else a for a in arrays or ()]
     problem = problem or next((p for p in map(_movable, arrays) if p), "")
     specs = () if problem else tuple(
-        TensorSpec(tuple(a.shape), dtypes[i] if dtypes else a.dtype.name, a.dtype.str,
+        TensorSpec(a.shape, dtypes[i] if dtypes else str(a.dtype), a.dtype.str,
                    devices[i] if devices else "cpu") for i, a in enumerate(arrays))
     with negotiation.lock():
         request = Request(kind, name or ctl.next_name(), specs, error=problem, **fields)
@@ -351,8 +361,8 @@ def _reduction_problem(arrays: Sequence[np.ndarray], op: ReduceOp) -> str:
     if op == ReduceOp.Adasum:
         return ("op=Adasum is not offered by hvd_sgp: SGP already replaces the gradient "
                 "allreduce; use op=Average (the default)")
-    bad = sorted({str(a.dtype) for a in arrays if a.dtype == np.bool_})
-    return f"cannot reduce dtype {bad[0]}" if bad else ""
+    bad = any(isinstance(a, np.ndarray) and a.dtype.kind == "b" for a in arrays)
+    return "cannot reduce booleans" if bad else ""
 
 
 def grouped_allreduce_async(arrays: Sequence[np.ndarray], op: ReduceOp = ReduceOp.Average,

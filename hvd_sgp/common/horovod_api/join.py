@@ -31,12 +31,13 @@ negotiation checks the number).
 """
 from __future__ import annotations
 
+import sys
 import time
 from typing import Callable, Protocol
 
 import numpy as np
 
-from hvd_sgp.common.errors import SgpValueError
+from hvd_sgp.common.errors import SgpValueError, on_rank
 from hvd_sgp.common.horovod_api import negotiation, process_sets
 from hvd_sgp.common.horovod_api.collectives import Handle
 from hvd_sgp.common.horovod_api.negotiation import JOIN, Kind, Request
@@ -98,6 +99,30 @@ class _Join(Kind):
 negotiation.register(_Join())
 
 
+class _Watch:
+    """Join's deadline: a joined rank may wait long while the others train, but not while
+    nothing moves: no response, no participant work for HVD_SGP_TIMEOUT seconds."""
+
+    def __init__(self, ctl: negotiation.Controller):
+        self.ctl, self.idle_since, self.warned = ctl, time.monotonic(), False
+
+    def check(self, moved: bool) -> None:
+        now = time.monotonic()
+        if moved:
+            self.idle_since, self.warned = now, False
+            return
+        idle, settings = now - self.idle_since, self.ctl.settings
+        who = self.ctl.missing_joins() or "the ranks that have not joined"
+        if idle > settings.timeout:
+            self.ctl.fail(f"join timed out: nothing moved for {settings.timeout:.0f} s while "
+                          f"waiting for {who} (HVD_SGP_TIMEOUT)")
+        elif settings.stall_warning is not None and idle > settings.stall_warning \
+                and not self.warned:
+            self.warned = True
+            print(on_rank(f"stall: join() has seen nothing move for {idle:.0f} s while "
+                          f"waiting for {who}"), file=sys.stderr, flush=True)
+
+
 def join(device: int = -1) -> int:
     """Serve the other ranks' collectives until every rank has joined; returns the global
     rank that joined last (the same on every rank). ``device`` is Horovod's device for
@@ -110,10 +135,12 @@ def join(device: int = -1) -> int:
                               None)
                    for sid, ctl in sorted(negotiation.controllers.items())]
         main, pause = ops[0], 0.0
+        watch = _Watch(negotiation.controllers[0])
         while main.response is None and not main.done:  # phase 1: serve until all joined
             moved = negotiation.progress_all()
             if main.response is None:
                 moved |= any([bool(p.serve(poll)) for p in _participants])
+            watch.check(moved)
             pause = 0.0 if moved else min(max(pause * 2, 5e-5), negotiation.MAX_PAUSE_SECONDS)
             time.sleep(pause)
         for op in ops:  # phase 2: agree on the last iteration (MAX of those started)

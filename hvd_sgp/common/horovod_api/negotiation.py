@@ -41,7 +41,8 @@ from hvd_sgp.common.errors import (CollectiveTimeoutError, HorovodInternalError,
 from hvd_sgp.common.mpi import MPI
 
 TAG_REQUEST, TAG_RESPONSE = 1, 2
-SPIN_SECONDS = 2e-4  # a waiter first polls without sleeping: small collectives finish in this
+SPIN_POLLS = 50  # a waiter first polls back to back,
+SPIN_SECONDS = 2e-4  # then yields between polls for this long,
 MAX_PAUSE_SECONDS = 2e-3  # then sleeps, doubling up to this
 
 
@@ -181,6 +182,7 @@ class Controller:
         self.running: list[Operation] = []  # every MPI call posted
         self.outbox: list[tuple[MPI.Request, bytes]] = []
         self.broken = ""
+        self.broken_error: type = CollectiveTimeoutError
         self.closed = False
         self.unnamed = self.epoch = 0
         self.table: dict[str, list[_Entry]] = {}  # coordinator: name -> instances in order
@@ -329,7 +331,7 @@ class Controller:
             return Response(name, f"{label} cannot run: {self.rank_list(stand_ins)} already "
                                   "called join(); only allreduce, reducescatter and barrier "
                                   "take joined ranks along")
-        problem = kind.check(requests, self)
+        problem = "" if len(set(requests.values())) == 1 else kind.check(requests, self)
         if problem:
             return Response(name, f"{label}: {problem}")
         return Response(name, request=first if stand_ins else None,
@@ -344,6 +346,8 @@ class Controller:
         self._apply(response)
 
     def _check_stall(self, name: str, entry: _Entry) -> None:
+        if name == JOIN:
+            return  # joined ranks wait as long as others make progress: join() watches that
         waited = time.monotonic() - entry.first_seen
         stall, timeout = self.settings.stall_warning, self.settings.timeout
         if waited < min(stall or timeout, timeout):
@@ -382,7 +386,7 @@ class Controller:
                 return  # the others' failure while this rank was joined
             if self.rank not in response.joined:
                 self._break(f"internal error: a response for {response.name!r}, which this "
-                            "rank never submitted")
+                            "rank never submitted", error=HorovodInternalError)
                 return
             op = Operation(response.request, None)  # take part as a joined rank
         if _timeline is not None:
@@ -445,7 +449,7 @@ class Controller:
         now = time.monotonic()
         patience = self.settings.timeout * 1.1 + 1.0
         for op in list(self.pending.values()):
-            if op.abandoned:
+            if op.abandoned or op.request.kind == JOIN:
                 continue
             waited = now - op.submitted
             label = f"{op.request.kind} {op.request.name!r}{self._where()}"
@@ -461,12 +465,23 @@ class Controller:
                               f"the coordinator (rank {self.ranks[0]}) names the missing ones"),
                       file=sys.stderr, flush=True)
 
-    def _break(self, message: str, notify: bool = True) -> None:
-        """After a timeout nothing on this set can be trusted: fail everything, now and later
-        (the coordinator tells every rank unless ``notify`` is False)."""
+    def missing_joins(self) -> str:
+        """The coordinator's list of ranks that have not joined ('' elsewhere)."""
+        if not self.coordinator:
+            return ""
+        return self.rank_list(r for r in range(self.size) if r not in self.joined)
+
+    def fail(self, message: str) -> None:
+        """Give up on this set (a deadline passed): every op fails, now and later."""
+        self._break(message)
+
+    def _break(self, message: str, notify: bool = True,
+               error: type = CollectiveTimeoutError) -> None:
+        """After a timeout nothing on this set can be trusted: fail everything, now and later,
+        with ``error`` (the coordinator tells every rank unless ``notify`` is False)."""
         if self.broken:
             return
-        self.broken = message
+        self.broken, self.broken_error = message, error
         if notify and self.coordinator and self.size > 1:
             data = pickle.dumps(Response("", message, fatal=True), pickle.HIGHEST_PROTOCOL)
             for r in range(1, self.size):
@@ -479,9 +494,7 @@ class Controller:
         self.running.clear()
 
     def _broken_error(self) -> HorovodInternalError:
-        if "timed out" in self.broken or "no answer" in self.broken or "moved no" in self.broken:
-            return CollectiveTimeoutError(self.broken)
-        return HorovodInternalError(self.broken)
+        return self.broken_error(self.broken)
 
     # --- messages ---------------------------------------------------------------------------
     def _where(self) -> str:
@@ -503,7 +516,7 @@ class Controller:
         """Free the communicator (the set was removed or the layer shut down); ops still in
         flight fail."""
         self._break(f"process set {self.set_id} was removed or hvd_sgp was shut down",
-                    notify=False)
+                    notify=False, error=HorovodInternalError)
         self.closed = True
         if not MPI.Is_finalized():
             self.comm.Free()
@@ -526,23 +539,27 @@ def progress_all() -> bool:
 
 
 def wait_until(done: Callable[[], bool]) -> None:
-    """Drive progress until ``done()``; polls without sleeping for SPIN_SECONDS, then sleeps
-    with a doubling pause (reset whenever something moves). The controllers' deadlines end
-    every wait."""
+    """Drive progress until ``done()``: SPIN_POLLS polls back to back (a small collective
+    finishes within them), then polls that yield the core (a peer rank sharing it runs at
+    once) for SPIN_SECONDS, then sleeps with a doubling pause, reset whenever something
+    moves. The controllers' deadlines end every wait."""
     began = time.monotonic()
-    pause = 0.0
+    pause, polls = 0.0, 0
     while True:
         with _lock:
             moved = progress_all()
             if done():
                 return
+        polls += 1
         if moved:
             pause = 0.0
+        elif polls < SPIN_POLLS:
+            continue
         elif time.monotonic() - began > SPIN_SECONDS:
             pause = min(max(pause * 2, 5e-5), MAX_PAUSE_SECONDS)
             time.sleep(pause)
         else:
-            os.sched_yield()  # a peer rank on the same core gets it at once
+            os.sched_yield()
 
 
 def lock() -> threading.RLock:
