@@ -41,8 +41,8 @@ from hvd_sgp.common.errors import (CollectiveTimeoutError, HorovodInternalError,
 from hvd_sgp.common.mpi import MPI
 
 TAG_REQUEST, TAG_RESPONSE = 1, 2
-SPIN_POLLS = 50  # a waiter first polls back to back,
-SPIN_SECONDS = 2e-4  # then yields between polls for this long,
+SPIN_POLLS = 4  # a waiter first polls back to back,
+SPIN_SECONDS = 1e-3  # then yields the core between polls for this long,
 MAX_PAUSE_SECONDS = 2e-3  # then sleeps, doubling up to this
 
 
@@ -198,12 +198,14 @@ class Controller:
     def submit(self, request: Request, arrays: Optional[list]) -> Operation:
         """File ``request`` (with its arrays) for negotiation. A request carrying an argument
         error is still sent, so the other ranks fail too; the caller raises it here."""
-        if request.name in self.live:
+        earlier = self.live.get(request.name)
+        if earlier is not None:
             self._to_coordinator(("duplicate", request.name))
-            raise SgpValueError(
-                f"{request.kind} {request.name!r}: a collective with this name is already in "
-                f"flight on this rank (process set {self.set_id}); names must be unique among "
-                "concurrent collectives")
+            why = ("its earlier submission failed here and the other ranks have not reached it "
+                   "yet" if earlier.abandoned else "names must be unique among concurrent "
+                   "collectives")
+            raise SgpValueError(f"{request.kind} {request.name!r}: a collective with this name "
+                                f"is already in flight on this rank{self._where()}; {why}")
         op = Operation(request, arrays, abandoned=bool(request.error))
         if self.broken:
             op.finish(error=self._broken_error())
@@ -309,8 +311,8 @@ class Controller:
 
     def _verdict(self, name: str, entry: _Entry) -> Optional[Response]:
         requests = entry.requests
-        joined = set(self.joined)
-        if any(r not in requests and r not in joined for r in range(self.size)):
+        if len(requests) < self.size and (not self.joined or any(
+                r not in requests and r not in self.joined for r in range(self.size))):
             return None
         stand_ins = tuple(r for r in range(self.size) if r not in requests)
         kinds = {r: q.kind for r, q in requests.items()}
