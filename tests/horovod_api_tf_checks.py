@@ -95,7 +95,14 @@ def check_gradients():
         assert gathered.numpy()[:, 0].tolist() == list(range(first, first + me + 1))
         assert np.all(root.numpy() == (1.0 if me == n - 1 else 0.0))
         assert scattered.numpy()[0, 0] == 6 * n * n  # allgather of n * ones(2, 3), all ranks
-    ok("gradients of allreduce, allgather, broadcast and reducescatter (eager and tf.function)")
+    w = tf.range(n, dtype=tf.float32)
+    with tf.GradientTape() as tape:
+        tape.watch(w)
+        out, _ = hvd.alltoall(w * (me + 1), tf.ones([n], tf.int32))
+        loss = tf.reduce_sum(out * tf.range(n, dtype=tf.float32))
+    assert tape.gradient(loss, w).numpy().tolist() == [float(me * (me + 1))] * n
+    ok("gradients of allreduce, allgather, broadcast, reducescatter (eager and tf.function) "
+       "and alltoall")
 
 
 def check_scaling_and_keras():

@@ -20,12 +20,13 @@ rank 0 coordinates.
    (a few KB) carry their data in the requests: the coordinator combines it and the response
    carries the result, so they cost the negotiation's two messages and no collective.
 
-Nothing blocks inside MPI: waits poll ``progress_all()`` with a backing-off sleep (a blocked
-rank uses about 1 % of a core). The coordinator warns about an op some ranks have not
-submitted after HOROVOD_STALL_CHECK_TIME_SECONDS (default 60; HOROVOD_STALL_CHECK_DISABLE=1
-turns the warning off) and fails it on every rank after HVD_SGP_TIMEOUT (default 300), naming
-the missing ranks; a rank whose coordinator stays silent fails by itself a little later. A
-timeout breaks the controller: every later op on it fails at once with the same message.
+Nothing blocks inside MPI: waits poll ``progress_all()``, then sleep with a backing-off
+pause (a rank blocked on a late peer uses a few % of a core). The coordinator warns about an
+op some ranks have not submitted after HOROVOD_STALL_CHECK_TIME_SECONDS (default 60;
+HOROVOD_STALL_CHECK_DISABLE=1 turns the warning off) and fails it on every rank after
+HVD_SGP_TIMEOUT (default 300), naming the missing ranks; a rank whose coordinator stays
+silent fails by itself a little later. A timeout breaks the controller: every later op on
+it fails at once with the same message.
 """
 from __future__ import annotations
 
@@ -43,9 +44,9 @@ from hvd_sgp.common.errors import (CollectiveTimeoutError, HorovodInternalError,
 from hvd_sgp.common.mpi import MPI
 
 TAG_REQUEST, TAG_RESPONSE = 1, 2
-SPIN_POLLS = 4  # a waiter first polls back to back,
-SPIN_SECONDS = 1e-3  # then yields the core between polls for this long,
-MAX_PAUSE_SECONDS = 2e-3  # then sleeps, doubling up to this
+SPIN_SECONDS = 1e-3  # a waiter polls back to back while something moved this recently
+DATA_SPIN_SECONDS = 0.02  # (this long while a data phase runs),
+MAX_PAUSE_SECONDS = 1e-3  # then sleeps, doubling up to this
 
 
 @dataclass(frozen=True)
@@ -551,27 +552,35 @@ def progress_all() -> bool:
 
 
 def wait_until(done: Callable[[], bool]) -> None:
-    """Drive progress until ``done()``: SPIN_POLLS polls back to back (a small collective
-    finishes within them), then polls that yield the core (a peer rank sharing it runs at
-    once) for SPIN_SECONDS, then sleeps with a doubling pause, reset whenever something
-    moves. The controllers' deadlines end every wait."""
-    began = time.monotonic()
-    pause, polls = 0.0, 0
+    """Drive progress until ``done()``: poll back to back while something moved within
+    SPIN_SECONDS -- DATA_SPIN_SECONDS while a data phase runs: every rank has agreed on it,
+    so it ends soon, and MPI moves a large message only while polled -- then sleep with a
+    doubling pause. Polls yield the core when this host has more ranks than cores (the peer
+    may be waiting for it). The controllers' deadlines end every wait."""
+    quiet_since, pause = time.monotonic(), 0.0
     while True:
         with _lock:
             moved = progress_all()
             if done():
                 return
-        polls += 1
+            moving_data = any(c.starting or c.running for c in controllers.values())
+        now = time.monotonic()
         if moved:
-            pause = 0.0
-        elif polls < SPIN_POLLS:
-            continue
-        elif time.monotonic() - began > SPIN_SECONDS:
+            pause, quiet_since = 0.0, now
+        elif now - quiet_since < (DATA_SPIN_SECONDS if moving_data else SPIN_SECONDS):
+            if _crowded[0]:
+                os.sched_yield()
+        else:
             pause = min(max(pause * 2, 5e-5), MAX_PAUSE_SECONDS)
             time.sleep(pause)
-        else:
-            os.sched_yield()
+
+
+_crowded = [False]
+
+
+def set_crowded(crowded: bool) -> None:
+    """Whether this host runs more ranks than it has cores (set where the layer starts)."""
+    _crowded[0] = crowded
 
 
 def lock() -> threading.RLock:

@@ -9,6 +9,7 @@ the same ids, or every rank fails with the same error.
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
@@ -85,6 +86,9 @@ def start(settings: Settings) -> None:
     world = runtime.world_comm()
     n = world.Get_size()
     negotiation.controllers[0] = Controller(_dup(world, settings.timeout), 0, range(n), settings)
+    host = world.Split_type(MPI.COMM_TYPE_SHARED)
+    negotiation.set_crowded(host.Get_size() > len(os.sched_getaffinity(0)))
+    host.Free()
     _sets[0] = _Registered(tuple(range(n)), world)
     global_process_set.ranks = list(range(n))
     _world = world
