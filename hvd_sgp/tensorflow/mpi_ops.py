@@ -16,8 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from hvd_sgp.common.errors import (HorovodInternalError, HostsUpdatedInterrupt,  # noqa: F401
-                                   SgpValueError)
+from hvd_sgp.common.errors import HorovodInternalError, HostsUpdatedInterrupt  # noqa: F401
 from hvd_sgp.common.horovod_api import collectives
 from hvd_sgp.common.horovod_api.basics import *  # noqa: F401,F403  (Horovod's flat namespace)
 from hvd_sgp.common.horovod_api.basics import (Average, ProcessSet, ReduceOp, Sum,
@@ -43,14 +42,13 @@ def rocm_built() -> bool:
 
 
 def _run(what: str, start: Callable[..., collectives.Handle], tensors: Sequence[tf.Tensor],
-         shapes: Sequence, out_dtypes: Optional[Sequence[tf.DType]] = None) -> list[tf.Tensor]:
+         shapes: Sequence) -> list[tf.Tensor]:
     """One negotiated collective on ``tensors`` (widened for MPI), as one bridge call:
-    ``start(arrays, dtypes)`` submits it, its result is the list of output arrays."""
+    ``start(arrays, dtype names)`` submits it; its result is the list of output arrays."""
     names = [t.dtype.name for t in tensors]
     wide = [bridge.widened(t) for t in tensors]
-    dtypes = out_dtypes or [w.dtype for w in wide]
-    out = bridge.call(lambda *arrays: start(list(arrays), names).wait(), wide, dtypes, shapes,
-                      f"hvd_sgp {what}")
+    out = bridge.call(lambda *arrays: start(list(arrays), names).wait(), wide,
+                      [w.dtype for w in wide], shapes, f"hvd_sgp {what}")
     return [tf.cast(o, t.dtype) for o, t in zip(out, tensors)]
 
 

@@ -16,8 +16,8 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from hvd_sgp.common.errors import (CollectiveTimeoutError, HorovodInternalError,  # noqa: F401
-                                   HostsUpdatedInterrupt, SgpValueError)
+from hvd_sgp.common.errors import (HorovodInternalError, HostsUpdatedInterrupt,  # noqa: F401
+                                   SgpValueError)
 from hvd_sgp.common import runtime  # noqa: F401  (exported: hvd.runtime)
 from hvd_sgp.common.horovod_api import collectives
 from hvd_sgp.common.horovod_api.basics import *  # noqa: F401,F403  (Horovod's flat namespace)
@@ -267,7 +267,8 @@ def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None,
 
 
 def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: ReduceOp,
-                           process_set: ProcessSet = global_process_set) -> Callable[[], torch.Tensor]:
+                           process_set: ProcessSet = global_process_set
+                           ) -> Callable[[], torch.Tensor]:
     """Reduce a sparse COO tensor by allgathering its indices and values (duplicates sum when
     the result is coalesced); returns a callable that waits and gives the sparse result."""
     if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:

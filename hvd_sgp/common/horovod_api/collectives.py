@@ -9,6 +9,8 @@ Data phases (non-blocking, one step unless noted):
   alltoall       Ialltoall of the split counts, then one Ialltoallv (two steps)
   reducescatter  one Ireduce_scatter per array; earlier ranks take the remainder rows
   barrier        Ibarrier
+Small allreduces, allgathers and broadcasts (INLINE_BYTES per rank) skip the data phase: their
+bytes ride in the negotiation and the coordinator combines them (Kind.combine).
 Scaling follows Horovod: integers are scaled in float64 and truncated, 16-bit floats in
 float32 (and reduced in float32: MPI has no half type); Average divides by the set size. A
 joined rank takes part in allreduce, reducescatter and barrier with the reduction's identity
@@ -102,7 +104,8 @@ def _prescaled(array: np.ndarray, factor: float) -> np.ndarray:
     if array.dtype.kind in "iu":
         return (array * np.float64(factor)).astype(array.dtype)
     if array.dtype == np.float16:
-        return (array.astype(np.float32) * np.float32(factor)).astype(np.float16).astype(np.float32)
+        scaled = (array.astype(np.float32) * np.float32(factor)).astype(np.float16)
+        return scaled.astype(np.float32)
     return array * array.dtype.type(factor)
 
 

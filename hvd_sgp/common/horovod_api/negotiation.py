@@ -447,7 +447,7 @@ class Controller:
             op.mpi, op.more = next(op.steps)
         except StopIteration as stop:
             self._retire(op, None, stop.value)
-        except Exception as error:  # noqa: BLE001  (post-processing failed: fail the op, not the loop)
+        except Exception as error:  # noqa: BLE001  (fail the op, not the progress loop)
             self._retire(op, error)
 
     def _retire(self, op: Operation, error: Optional[BaseException], result: Any = None) -> None:
