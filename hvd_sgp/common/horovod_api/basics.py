@@ -83,11 +83,12 @@ def process_set_comm(process_set: ProcessSet = global_process_set) -> Optional[M
 
 
 def check_process_set(process_set: ProcessSet) -> None:
-    """For DistributedOptimizer, whose gossip spans every rank: only the global set."""
+    """For SGP training (DistributedOptimizer, DistributedGradientTape), whose gossip spans
+    every rank: only the global set, for now."""
     if process_set is not global_process_set:
-        raise SgpValueError("DistributedOptimizer(process_set=...) supports only the global "
-                            "process set: SGP's gossip graph spans every rank (the set's "
-                            "communicator is available via process_set_comm())")
+        raise SgpValueError("SGP training (DistributedOptimizer, DistributedGradientTape) "
+                            "supports only the global process set: its gossip graph spans "
+                            "every rank")
 
 
 def resolve_op(average: Optional[bool], op: Optional[ReduceOp]) -> ReduceOp:
