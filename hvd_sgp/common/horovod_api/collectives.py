@@ -9,8 +9,9 @@ Data phases (non-blocking, one step unless noted):
   alltoall       Ialltoall of the split counts, then one Ialltoallv (two steps)
   reducescatter  one Ireduce_scatter per array; earlier ranks take the remainder rows
   barrier        Ibarrier
-Small allreduces, allgathers and broadcasts (INLINE_BYTES per rank) skip the data phase: their
-bytes ride in the negotiation and the coordinator combines them (Kind.combine).
+Data always moves in an MPI collective, so the ranks leave a collective about together
+(scripts line ranks up with a small allreduce, as with Horovod; a result computed by the
+coordinator and sent back would release it a message earlier than the others).
 Scaling follows Horovod: integers are scaled in float64 and truncated, 16-bit floats in
 float32 (and reduced in float32: MPI has no half type); Average divides by the set size. A
 joined rank takes part in allreduce, reducescatter and barrier with the reduction's identity
@@ -176,25 +177,6 @@ class _Fused:
         return out
 
 
-INLINE_BYTES = 4096  # per rank: smaller ops travel inside the negotiation
-_COMBINE = {ReduceOp.Average: np.add, ReduceOp.Sum: np.add, ReduceOp.Min: np.minimum,
-            ReduceOp.Max: np.maximum, ReduceOp.Product: np.multiply}
-
-
-def _payload(arrays: Sequence[Any], prepare: Callable[[np.ndarray], np.ndarray] = np.asarray
-             ) -> tuple:
-    """Small arrays' bytes (after ``prepare``), to travel inside the negotiation; () when
-    they are too large (or not arrays: the argument check reports that)."""
-    if not all(isinstance(a, np.ndarray) and a.dtype.kind in "biufc" for a in arrays) \
-            or sum(a.nbytes for a in arrays) > INLINE_BYTES:
-        return ()
-    return tuple(np.ascontiguousarray(prepare(a)).tobytes() for a in arrays)
-
-
-def _decode(data: bytes, dtype: Any, shape: tuple) -> np.ndarray:
-    return np.frombuffer(data, dtype).reshape(shape).copy()
-
-
 def _displacements(counts: Sequence[int]) -> list[int]:
     return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist()
 
@@ -243,44 +225,21 @@ class _Allreduce(Kind):
                 or _agree(ctl, requests, "prescale_factor", lambda q: q.prescale)
                 or _agree(ctl, requests, "postscale_factor", lambda q: q.postscale))
 
-    def combine(self, requests, ctl):
-        """Small allreduces: the prescaled contributions reduced here, in set-rank order
-        (joined ranks add the identity, that is nothing)."""
-        if not all(q.data for q in requests.values()):
-            return None
-        first = requests[min(requests)]
-        reduce = _COMBINE[ReduceOp(first.op)].reduce
-        out = []
-        for i, spec in enumerate(first.specs):
-            work = _work_dtype(np.dtype(spec.wire))
-            parts = np.stack([np.frombuffer(requests[r].data[i], work) for r in sorted(requests)])
-            out.append(reduce(parts, axis=0, dtype=work).tobytes())  # (no integer widening)
-        return tuple(out)
-
     def phase(self, op, ctl):
         request = op.request
         reduction = ReduceOp(request.op)
-        divisor = ctl.size if reduction == ReduceOp.Average else 1
-        dtypes = [np.dtype(s.wire) for s in request.specs]
-        if op.response.inline is not None:
-            yield [], False
-            return [_postscaled(_decode(b, _work_dtype(d), s.shape), d, divisor,
-                                request.postscale)
-                    for b, d, s in zip(op.response.inline, dtypes, request.specs)]
         inputs = op.arrays if op.arrays is not None else [
             _identity(reduction, s) for s in request.specs]
         fused = _Fused([_prescaled(a, request.prescale) for a in inputs], own=True)
         yield [ctl.comm.Iallreduce(MPI.IN_PLACE, b, op=_MPI_OPS[reduction])
                for b in fused.buffers], False
-        return [_postscaled(part, d, divisor, request.postscale)
-                for part, d in zip(fused.parts(), dtypes)]
+        divisor = ctl.size if reduction == ReduceOp.Average else 1
+        return [_postscaled(part, a.dtype, divisor, request.postscale)
+                for part, a in zip(fused.parts(), inputs)]
 
 
 class _Reducescatter(_Allreduce):
     name = "reducescatter"
-
-    def combine(self, requests, ctl):
-        return None
 
     def phase(self, op, ctl):
         request = op.request
@@ -313,20 +272,7 @@ class _Allgather(Kind):
         return tuple(tuple(requests[r].specs[i].shape[0] for r in sorted(requests))
                      for i in range(count))
 
-    def combine(self, requests, ctl):
-        """Small allgathers: every rank's bytes, concatenated in set-rank order (up to
-        16 x INLINE_BYTES in all: the response goes to every rank)."""
-        if not all(q.data for q in requests.values()) or sum(
-                len(b) for q in requests.values() for b in q.data) > 16 * INLINE_BYTES:
-            return None
-        return tuple(b"".join(requests[r].data[i] for r in sorted(requests))
-                     for i in range(len(requests[0].specs)))
-
     def phase(self, op, ctl):
-        if op.response.inline is not None:
-            yield [], False
-            return [_decode(b, a.dtype, (sum(dims), *a.shape[1:])) for b, a, dims in
-                    zip(op.response.inline, op.arrays, op.response.first_dims)]
         outputs, requests = [], []
         for a, dims in zip(op.arrays, op.response.first_dims):
             row = int(np.prod(a.shape[1:], dtype=np.int64))
@@ -346,14 +292,7 @@ class _Broadcast(Kind):
         return (_agree(ctl, requests, "the root rank", lambda q: q.root)
                 or _agree_on_tensors(ctl, requests, True))
 
-    def combine(self, requests, ctl):
-        """Small broadcasts: the root's bytes."""
-        return requests[ctl.ranks.index(requests[0].root)].data or None
-
     def phase(self, op, ctl):
-        if op.response.inline is not None:
-            yield [], False
-            return [_decode(b, a.dtype, a.shape) for b, a in zip(op.response.inline, op.arrays)]
         root = ctl.ranks.index(op.request.root)
         fused = _Fused(op.arrays, fill=ctl.rank == root)
         yield [ctl.comm.Ibcast(_raw(b), root=root) for b in fused.buffers], False
@@ -440,10 +379,9 @@ def grouped_allreduce_async(arrays: Sequence[np.ndarray], op: ReduceOp = ReduceO
     handle's result is the list of reduced arrays (new arrays, in the inputs' dtypes)."""
     op = ReduceOp(op)
     problem = _reduction_problem(arrays, op)
-    data = () if problem else _payload(arrays, lambda a: _prescaled(a, prescale_factor))
     return Handle(submit("allreduce", list(arrays), process_set, name, dtypes, devices,
                          problem, op=int(op), prescale=float(prescale_factor),
-                         postscale=float(postscale_factor), data=data))
+                         postscale=float(postscale_factor)))
 
 
 def allreduce(array: np.ndarray, op: ReduceOp = ReduceOp.Average, prescale_factor: float = 1.0,
@@ -461,8 +399,7 @@ def grouped_allgather_async(arrays: Sequence[np.ndarray], name: Optional[str] = 
     """Concatenate every rank's arrays along the first dimension (it may differ by rank; a
     0-d array counts as one row)."""
     arrays = [a.reshape(1) if isinstance(a, np.ndarray) and a.ndim == 0 else a for a in arrays]
-    return Handle(submit("allgather", arrays, process_set, name, dtypes, devices,
-                         data=_payload(arrays)))
+    return Handle(submit("allgather", arrays, process_set, name, dtypes, devices))
 
 
 def grouped_broadcast_async(arrays: Sequence[np.ndarray], root_rank: int,
@@ -474,9 +411,8 @@ def grouped_broadcast_async(arrays: Sequence[np.ndarray], root_rank: int,
     ranks = process_sets.ranks_of(process_set)
     problem = "" if root_rank in ranks else (
         f"root_rank {root_rank} is not a rank of the process set (ranks {list(ranks)})")
-    data = _payload(arrays) if not problem and runtime.rank() == root_rank else ()
     return Handle(submit("broadcast", list(arrays), process_set, name, dtypes, devices, problem,
-                         root=int(root_rank), data=data))
+                         root=int(root_rank)))
 
 
 def alltoall_async(array: np.ndarray, splits: Optional[Sequence[int]] = None,

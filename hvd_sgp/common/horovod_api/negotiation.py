@@ -16,9 +16,7 @@ rank 0 coordinates.
 3. every rank applies the responses in the coordinator's order and starts the data phases --
    non-blocking MPI collectives on the same private communicator -- in that order, so they
    match on every rank. A data phase of several steps (alltoall: counts, then rows) holds back
-   later starts until its last step is posted. Small allreduces, allgathers and broadcasts
-   (a few KB) carry their data in the requests: the coordinator combines it and the response
-   carries the result, so they cost the negotiation's two messages and no collective.
+   later starts until its last step is posted.
 
 Nothing blocks inside MPI: waits poll ``progress_all()``, then sleep with a backing-off
 pause (a rank blocked on a late peer uses a few % of a core). The coordinator warns about an
@@ -96,7 +94,6 @@ class Request(NamedTuple):
     postscale: float = 1.0
     extra: tuple = ()  # kind-specific facts every rank must share
     error: str = ""  # an argument error found on the sender: the op fails on every rank
-    data: tuple = ()  # a small op's arrays as bytes: the coordinator may combine them itself
 
 
 class Response(NamedTuple):
@@ -107,7 +104,6 @@ class Response(NamedTuple):
     joined: tuple = ()  # set ranks that take part as joined ranks
     last_joined: int = -1  # join: the global rank that joined last
     fatal: bool = False  # the controller is broken (timeout)
-    inline: Optional[tuple] = None  # a small op's result bytes: no data phase in MPI
 
 
 class Kind:
@@ -123,11 +119,6 @@ class Kind:
 
     def first_dims(self, requests: dict[int, Request]) -> tuple:
         return ()
-
-    def combine(self, requests: dict[int, Request], ctl: "Controller") -> Optional[tuple]:
-        """The result, as bytes, when the requests carry all the data it needs (small ops:
-        the response carries it and no MPI collective runs); None otherwise."""
-        return None
 
     def phase(self, op: "Operation", ctl: "Controller") -> Iterator[tuple[list, bool]]:
         """The data phase as a generator: it posts MPI calls and yields (requests, more); more
@@ -348,8 +339,7 @@ class Controller:
             return Response(name, f"{label}: {problem}")
         return Response(name, request=first if stand_ins else None,
                         first_dims=kind.first_dims(requests), joined=stand_ins,
-                        last_joined=self.ranks[self.joined[-1]] if name == JOIN else -1,
-                        inline=kind.combine(requests, self))
+                        last_joined=self.ranks[self.joined[-1]] if name == JOIN else -1)
 
     def _respond(self, response: Response) -> None:
         if self.size > 1:
