@@ -15,11 +15,12 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from hvd_sgp.common import options as sgp_options
-from hvd_sgp.common import collectives, runtime
+from hvd_sgp.common import runtime
 from hvd_sgp.common.codecs import Codec, codec as make_codec
-from hvd_sgp.common.collectives import ReduceOp
 from hvd_sgp.common.engine import BufferAccess, GossipEngine, StepPlan
 from hvd_sgp.common.errors import NotInitializedError, SgpValueError
+from hvd_sgp.common.horovod_api import collectives
+from hvd_sgp.common.horovod_api.collectives import ReduceOp
 
 
 @dataclass(frozen=True)
