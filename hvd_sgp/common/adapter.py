@@ -8,6 +8,7 @@ per optimizer, and mixes ``GossipMethods`` into its optimizer class.
 """
 from __future__ import annotations
 
+import gc
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -19,7 +20,7 @@ from hvd_sgp.common import runtime
 from hvd_sgp.common.codecs import Codec, codec as make_codec
 from hvd_sgp.common.engine import BufferAccess, GossipEngine, StepPlan
 from hvd_sgp.common.errors import NotInitializedError, SgpValueError
-from hvd_sgp.common.horovod_api import collectives
+from hvd_sgp.common.horovod_api import collectives, join
 from hvd_sgp.common.horovod_api.collectives import ReduceOp
 
 
@@ -69,6 +70,7 @@ class SgpSession:
         self.signature = list(signature)
         self._engine: Optional[GossipEngine] = None
         self._epoch = 0
+        _JoinServer.add(self)
 
     @property
     def started(self) -> bool:
@@ -141,9 +143,58 @@ class SgpSession:
         self.engine.load_state(state)
         self._epoch = self.engine.epoch
 
+    @property
+    def closed(self) -> bool:
+        return self._engine is not None and self._engine.closed
+
     def close(self) -> None:
         if self._engine is not None:
             self._engine.close()
+
+
+class _JoinServer:
+    """``join()``'s participant (horovod_api.join) for every SGP session of this process: a
+    rank out of data keeps stepping its optimizers with zero gradients, its own parameters
+    and its own weight, so the peers' gradient sums count only the ranks with data and their
+    gossip rounds find a partner. Sessions are held weakly (a dropped optimizer is not
+    served; join() collects garbage first so that every rank serves the same ones). Several
+    optimizers must step equally often: one iteration count is agreed for all."""
+
+    instance: Optional["_JoinServer"] = None
+
+    def __init__(self) -> None:
+        self.sessions: list[weakref.ref] = []
+        self.collected = False
+
+    @classmethod
+    def add(cls, session: "SgpSession") -> None:
+        if cls.instance is None:
+            cls.instance = cls()
+            join.register_join_participant(cls.instance)
+        cls.instance.sessions.append(weakref.ref(session))
+
+    def live(self) -> list["SgpSession"]:
+        if not self.collected:
+            gc.collect()
+            self.collected = True
+        self.sessions = [ref for ref in self.sessions if ref() is not None]
+        return [s for s in (ref() for ref in self.sessions) if s is not None and not s.closed]
+
+    def serve(self, poll: Callable[[], object]) -> bool:
+        served = False
+        for session in self.live():
+            served |= session.engine.serve(poll)
+        return served
+
+    def started_iteration(self) -> int:
+        return max([s.engine.started_iteration() for s in self.live() if s.started], default=0)
+
+    def finish(self, last: int, poll: Callable[[], object]) -> None:
+        try:
+            for session in self.live():
+                session.engine.finish(last, poll)
+        finally:
+            self.collected = False
 
 
 class GossipMethods:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
+
 import torch
 
 from hvd_sgp.common import adapter, runtime
@@ -52,8 +54,11 @@ class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
         self._session.start()  # now: ranks compare their models and options at wrapping
         self._session.own(self)
         self._passes = {}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._count_pass)
+        count = weakref.WeakMethod(self._count_pass)  # the model may outlive the optimizer
+        self._hooks = [p.register_post_accumulate_grad_hook(
+                           lambda p: count() is not None and count()(p))
                        for p in all_params if p.requires_grad]
+        weakref.finalize(self, lambda hooks: [h.remove() for h in hooks], self._hooks)
         self._synchronized = False
         self._should_skip = False
 
