@@ -9,7 +9,7 @@ import warnings
 import torch
 
 import hvd_sgp.torch as hvd
-from hvd_sgp.common.errors import ConsistencyError, ScheduleError
+from hvd_sgp.common.errors import ConsistencyError, ScheduleError, SgpValueError
 from mpi_checks import Checks, expect_error
 
 hvd.init()
@@ -438,6 +438,35 @@ def check_mixed_precision():
         for node, scale in scales:
             assert scale == (2.0 ** 15 if node == 0 else 2.0 ** 16), (recipe, scales)
     return "GradScaler: an overflowing node skips its update, gossips on, scale agreed in-node"
+
+
+class HalfCompressor:
+    """A script's own compressor in Horovod's interface (not one of hvd.Compression's)."""
+
+    @staticmethod
+    def compress(tensor):
+        return tensor.to(torch.float16), tensor.dtype
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor.to(ctx)
+
+
+@checks
+def check_custom_compressor():
+    """A Horovod Compressor of the script's own is the gossip codec: the same rounding as the
+    built-in fp16 wire, so the same models; a non-compressor is refused on every rank."""
+    models = {}
+    for name, compression in {"custom": HalfCompressor, "fp16": hvd.Compression.fp16}.items():
+        model = mlp(60 + hvd.cross_rank())
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                       compression=compression)
+        train_steps(opt, model, 4, seed=61)
+        models[name] = flat(model)
+    assert torch.equal(models["custom"], models["fp16"]), (models["custom"] - models["fp16"])
+    expect_error(SgpValueError, lambda: hvd.DistributedOptimizer(
+        torch.optim.SGD(mlp(0).parameters(), lr=0.1), compression="fp16"))
+    return "a script's own Horovod Compressor gossips as the fp16 wire does"
 
 
 @checks

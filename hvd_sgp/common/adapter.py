@@ -17,11 +17,12 @@ import numpy as np
 
 from hvd_sgp.common import options as sgp_options
 from hvd_sgp.common import runtime
-from hvd_sgp.common.codecs import Codec, codec as make_codec
+from hvd_sgp.common.codecs import Codec
 from hvd_sgp.common.engine import BufferAccess, GossipEngine, StepPlan
 from hvd_sgp.common.errors import NotInitializedError, SgpValueError
 from hvd_sgp.common.horovod_api import collectives, join
 from hvd_sgp.common.horovod_api.collectives import ReduceOp
+from hvd_sgp.common.horovod_api.compression import Tensors, gossip_codec
 
 
 @dataclass(frozen=True)
@@ -34,9 +35,10 @@ class Settings:
 
 
 def settings(op: Any, compression: Any, sgp: dict, gradient_predivide_factor: float = 1.0,
-             backward_passes_per_step: int = 1) -> Settings:
+             backward_passes_per_step: int = 1, tensors: Optional[Tensors] = None) -> Settings:
     """Check Horovod's DistributedOptimizer arguments and resolve the SGP options (keywords,
-    then HVD_SGP_* variables, then defaults); the same rules and messages in every framework."""
+    then HVD_SGP_* variables, then defaults); the same rules and messages in every framework.
+    ``tensors``: the framework's numpy conversions, for a script's own Compressor."""
     if not runtime.is_initialized():
         raise NotInitializedError()
     if op == ReduceOp.Adasum:
@@ -50,11 +52,8 @@ def settings(op: Any, compression: Any, sgp: dict, gradient_predivide_factor: fl
     if backward_passes_per_step < 1:
         raise SgpValueError(f"backward_passes_per_step must be >= 1, got "
                             f"{backward_passes_per_step}")
-    wire = getattr(compression, "wire", None)
-    if wire is None:
-        raise SgpValueError(f"compression must be one of hvd.Compression's choices, got "
-                            f"{compression!r}")
-    return Settings(sgp_options.resolve(**sgp), make_codec(wire), op == ReduceOp.Sum)
+    return Settings(sgp_options.resolve(**sgp), gossip_codec(compression, tensors),
+                    op == ReduceOp.Sum)
 
 
 class SgpSession:

@@ -36,6 +36,7 @@ from hvd_sgp.common import adapter
 from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.common.options import keyword_help
 from hvd_sgp.tensorflow import flavour, gossip
+from hvd_sgp.tensorflow import compression as compression_module
 from hvd_sgp.tensorflow.compression import Compression
 from hvd_sgp.tensorflow.gossip import VariableGossip
 from hvd_sgp.tensorflow.mpi_ops import Average, check_process_set, global_process_set
@@ -298,7 +299,7 @@ def DistributedOptimizer(optimizer, name: Optional[str] = None, device_dense: st
     kind = flavour.family(optimizer)
     check_groups(num_groups, groups)
     config = adapter.settings(op, compression, sgp, gradient_predivide_factor,
-                              backward_passes_per_step)
+                              backward_passes_per_step, compression_module.TENSORS)
     if backward_passes_per_step > 1 and kind != flavour.KERAS3:
         raise SgpValueError("backward_passes_per_step > 1 needs a Keras 3 optimizer (its "
                             "gradient accumulation); tf_keras optimizers take one pass per step")

@@ -17,6 +17,7 @@ from hvd_sgp.common.node import average_arrays
 from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.common.options import keyword_help
 from hvd_sgp.torch import node_nccl
+from hvd_sgp.torch import compression as compression_module
 from hvd_sgp.torch.compression import Compression
 from hvd_sgp.torch.flat import group_parameters, staged
 from hvd_sgp.torch.mpi_ops import Average, check_process_set, global_process_set
@@ -229,7 +230,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     """
     check_process_set(process_set)
     config = adapter.settings(op, compression, sgp, gradient_predivide_factor,
-                              backward_passes_per_step)
+                              backward_passes_per_step, compression_module.TENSORS)
     if isinstance(optimizer, torch.optim.LBFGS):
         raise SgpValueError("LBFGS re-evaluates its closure many times per step and is not "
                             "supported by DistributedOptimizer")

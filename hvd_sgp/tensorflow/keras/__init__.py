@@ -16,6 +16,7 @@ from hvd_sgp.common.errors import (HorovodInternalError, HostsUpdatedInterrupt,
                                    SgpValueError)
 from hvd_sgp.tensorflow import flavour
 from hvd_sgp.tensorflow import mpi_ops as _ops
+from hvd_sgp.tensorflow import compression as compression_module
 from hvd_sgp.tensorflow.compression import Compression
 from hvd_sgp.tensorflow.keras import callbacks
 from hvd_sgp.tensorflow.mpi_ops import (Adasum, Average, Max, Min, Product, ProcessSet, Sum,
@@ -82,7 +83,8 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
     objects.update(custom_objects or {})
     model = keras.models.load_model(filepath, custom_objects=objects)
     if getattr(model, "optimizer", None) is not None:
-        convert(model.optimizer, adapter.settings(Average, compression, sgp))
+        convert(model.optimizer, adapter.settings(Average, compression, sgp,
+                                                  tensors=compression_module.TENSORS))
     return model
 
 
