@@ -360,6 +360,27 @@ def check_exact_equivalence() -> None:
     exact_equivalence()
 
 
+class HalfCompressor:
+    """A script's own compressor in Horovod's interface (not one of hvd.Compression's)."""
+
+    @staticmethod
+    def compress(tensor):
+        return tf.cast(tensor, tf.float16), tensor.dtype
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tf.cast(tensor, ctx)
+
+
+@checks
+def check_custom_compressor() -> None:
+    custom, _ = sgp_custom_loop(4, 0.1, 0.9, use_tape=False, compression=HalfCompressor)
+    fp16, _ = sgp_custom_loop(4, 0.1, 0.9, use_tape=False, compression=hvd.Compression.fp16)
+    diff = max_diff(custom, fp16)
+    checks.verify("a script's own Horovod Compressor gossips as the fp16 wire does",
+                  diff == 0.0, f"max |diff| {diff:.2e}")
+
+
 @checks
 def check_options() -> None:
     os.environ["HVD_SGP_TOPOLOGY"] = "no-such-graph"
