@@ -440,6 +440,38 @@ def check_mixed_precision():
     return "GradScaler: an overflowing node skips its update, gossips on, scale agreed in-node"
 
 
+@checks.when(n >= 2)
+def check_process_set_optimizer():
+    """DistributedOptimizer(process_set=...): it trains over the set's ranks only (here each
+    half its own model, exactly averaged with mode='allreduce', gossiped by default), and a
+    rank outside the set trains alone, as under Horovod."""
+    evens, odds = list(range(0, n, 2)), list(range(1, n, 2))
+    sets = hvd.add_process_set(evens), hvd.add_process_set(odds)
+    mine = sets[me % 2]
+    try:
+        for mode in ("allreduce", "sgp"):
+            model = mlp(70)
+            opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           process_set=mine, mode=mode, topology="complete")
+            train_steps(opt, model, 3, seed=71)
+            mine_models = hvd.allgather(flat(model)[None], process_set=mine)
+            assert all(torch.allclose(m, mine_models[0], atol=1e-6) for m in mine_models), mode
+            everyone = hvd.allgather(flat(model)[None])
+            assert n < 2 or not torch.allclose(everyone[0], everyone[1]), mode
+            assert opt.metrics()["iteration"] == 3
+        model = mlp(72)  # ranks outside the set step alone
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       process_set=sets[0], mode="allreduce")
+        train_steps(opt, model, 2, seed=73)
+        everyone = hvd.allgather(flat(model)[None])
+        odd = [everyone[r] for r in odds]
+        assert all(not torch.allclose(odd[0], other) for other in odd[1:])
+    finally:
+        hvd.remove_process_set(sets[1])
+        hvd.remove_process_set(sets[0])
+    return "process_set=: each set trains its own model; ranks outside train alone"
+
+
 class HalfCompressor:
     """A script's own compressor in Horovod's interface (not one of hvd.Compression's)."""
 

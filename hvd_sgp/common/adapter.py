@@ -20,9 +20,10 @@ from hvd_sgp.common import runtime
 from hvd_sgp.common.codecs import Codec
 from hvd_sgp.common.engine import BufferAccess, GossipEngine, StepPlan
 from hvd_sgp.common.errors import NotInitializedError, SgpValueError
-from hvd_sgp.common.horovod_api import collectives, join
+from hvd_sgp.common.horovod_api import collectives, join, process_sets
 from hvd_sgp.common.horovod_api.collectives import ReduceOp
 from hvd_sgp.common.horovod_api.compression import Tensors, gossip_codec
+from hvd_sgp.common.mpi import MPI
 
 
 @dataclass(frozen=True)
@@ -32,13 +33,16 @@ class Settings:
     options: Any  # options.SgpOptions
     codec: Codec
     sum_gradients: bool  # op=Sum: Horovod's sum over ranks, n times the average
+    layout: Optional[runtime.Layout] = None  # a process set's ranks (None: the world's)
 
 
 def settings(op: Any, compression: Any, sgp: dict, gradient_predivide_factor: float = 1.0,
-             backward_passes_per_step: int = 1, tensors: Optional[Tensors] = None) -> Settings:
+             backward_passes_per_step: int = 1, tensors: Optional[Tensors] = None,
+             process_set: Any = None) -> Settings:
     """Check Horovod's DistributedOptimizer arguments and resolve the SGP options (keywords,
     then HVD_SGP_* variables, then defaults); the same rules and messages in every framework.
-    ``tensors``: the framework's numpy conversions, for a script's own Compressor."""
+    ``tensors``: the framework's numpy conversions, for a script's own Compressor. With a
+    ``process_set`` other than the global one, every rank calls it (a collective)."""
     if not runtime.is_initialized():
         raise NotInitializedError()
     if op == ReduceOp.Adasum:
@@ -53,7 +57,20 @@ def settings(op: Any, compression: Any, sgp: dict, gradient_predivide_factor: fl
         raise SgpValueError(f"backward_passes_per_step must be >= 1, got "
                             f"{backward_passes_per_step}")
     return Settings(sgp_options.resolve(**sgp), gossip_codec(compression, tensors),
-                    op == ReduceOp.Sum)
+                    op == ReduceOp.Sum, process_set_layout(process_set))
+
+
+def process_set_layout(process_set: Any) -> Optional[runtime.Layout]:
+    """Where an optimizer restricted to a process set trains: SGP over the set's ranks (nodes
+    as the world's, within the set), and alone on the ranks outside it, whose steps are
+    local as under Horovod's optimizer outside its set. None for the global set."""
+    if process_set is None or process_set is process_sets.global_process_set:
+        return None
+    comm = process_sets.process_set_comm(process_set)
+    if comm is None:
+        alone = MPI.COMM_SELF.Dup()
+        return runtime.Layout(alone, alone.Dup(), alone.Dup())
+    return runtime.split(comm.Dup())
 
 
 class SgpSession:
@@ -72,6 +89,11 @@ class SgpSession:
         _JoinServer.add(self)
 
     @property
+    def layout(self) -> runtime.Layout:
+        """The ranks this optimizer trains with: the world, or its process set."""
+        return self.settings.layout or runtime.layout()
+
+    @property
     def started(self) -> bool:
         return self._engine is not None
 
@@ -80,7 +102,7 @@ class SgpSession:
         the same point; it compares parameters and options across ranks)."""
         if self._engine is None:
             self._engine = GossipEngine(self.buffers, self.settings.options, self.signature,
-                                        self.settings.codec, self.access)
+                                        self.settings.codec, self.access, self.layout)
             self._engine.set_epoch(self._epoch)
         return self._engine
 
@@ -101,7 +123,7 @@ class SgpSession:
         """The factor on this rank's gradients before ``reduce_gradients`` sums them over
         ``plan.ranks`` (or, without a reduction, the factor on them in place): 1 / ranks makes
         the sum an average, and Horovod's op=Sum is n times the average."""
-        total = float(runtime.size()) if self.settings.sum_gradients else 1.0
+        total = float(self.layout.world.Get_size()) if self.settings.sum_gradients else 1.0
         return total / (plan.ranks if plan is not None else 1)
 
     def reduce_gradients(self, grads, sum_in_node: Optional[Callable] = None) -> None:

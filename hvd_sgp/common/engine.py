@@ -76,13 +76,13 @@ class GossipEngine:
     """SGP state of one optimizer on this rank."""
 
     def __init__(self, buffers: Sequence, options: SgpOptions, signature: Sequence[tuple],
-                 codec: "str | Codec" = "none", access: BufferAccess = DirectAccess()):
+                 codec: "str | Codec" = "none", access: BufferAccess = DirectAccess(),
+                 layout: Optional[runtime.Layout] = None):
         self.options = options
         self.buffers = list(buffers)
         self.access = access
-        self.world = runtime.world_comm()
-        self.local = runtime.local_comm()
-        self.cross = runtime.cross_comm()
+        layout = layout or runtime.layout()  # the world's, or a process set's
+        self.world, self.local, self.cross = layout.world, layout.local, layout.cross
         self.codec = make_codec(codec)
         check_consistent(self.world, [tuple(map(str, s)) for s in signature],
                          options.describe() + (self.codec.spec,))

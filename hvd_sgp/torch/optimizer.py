@@ -12,7 +12,7 @@ import weakref
 
 import torch
 
-from hvd_sgp.common import adapter, runtime
+from hvd_sgp.common import adapter
 from hvd_sgp.common.node import average_arrays
 from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.common.options import keyword_help
@@ -20,7 +20,7 @@ from hvd_sgp.torch import node_nccl
 from hvd_sgp.torch import compression as compression_module
 from hvd_sgp.torch.compression import Compression
 from hvd_sgp.torch.flat import group_parameters, staged
-from hvd_sgp.torch.mpi_ops import Average, check_process_set, global_process_set
+from hvd_sgp.torch.mpi_ops import Average, global_process_set
 
 
 class StagedAccess:
@@ -89,7 +89,8 @@ class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
         scale = self._session.gradient_scale(plan)  # rides in the copy into the flat buffer
         if plan.reduce:
             for group in self._groups:
-                if group.device.type == "cuda" and plan.mode != "allreduce" and node_nccl.usable():
+                if group.device.type == "cuda" and plan.mode != "allreduce" \
+                        and self._session.settings.layout is None and node_nccl.usable():
                     self._session.reduce_gradients(group.gather_grads(scale),
                                                    node_nccl.allreduce_sum)
                     group.scatter_grads()
@@ -178,7 +179,7 @@ class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
 
     def _sgp_average_statistics(self, model: torch.nn.Module) -> None:
         average_arrays([b for b in model.buffers() if b.is_floating_point()],
-                       runtime.world_comm())
+                       self._session.layout.world)
 
     def state_dict(self):
         state = super(self.__class__, self).state_dict()
@@ -228,9 +229,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     gradients are averaged densely where they must be (in-node, or mode='allreduce') and handed
     back sparse; ``sparse_as_dense=True`` makes them dense for the local step too.
     """
-    check_process_set(process_set)
     config = adapter.settings(op, compression, sgp, gradient_predivide_factor,
-                              backward_passes_per_step, compression_module.TENSORS)
+                              backward_passes_per_step, compression_module.TENSORS, process_set)
     if isinstance(optimizer, torch.optim.LBFGS):
         raise SgpValueError("LBFGS re-evaluates its closure many times per step and is not "
                             "supported by DistributedOptimizer")

@@ -82,15 +82,6 @@ def process_set_comm(process_set: ProcessSet = global_process_set) -> Optional[M
     return sets.process_set_comm(process_set)
 
 
-def check_process_set(process_set: ProcessSet) -> None:
-    """For SGP training (DistributedOptimizer, DistributedGradientTape), whose gossip spans
-    every rank: only the global set, for now."""
-    if process_set is not global_process_set:
-        raise SgpValueError("SGP training (DistributedOptimizer, DistributedGradientTape) "
-                            "supports only the global process set: its gossip graph spans "
-                            "every rank")
-
-
 def resolve_op(average: Optional[bool], op: Optional[ReduceOp]) -> ReduceOp:
     """Horovod's deprecated ``average=`` or ``op=`` (default Average); Adasum is refused."""
     if average is not None and op is not None:
@@ -149,6 +140,6 @@ __all__ = [
     "local_rank", "cross_rank", "mpi_threads_supported", "mpi_enabled", "mpi_built",
     "gloo_enabled", "gloo_built", "ddl_built", "ccl_built", "is_homogeneous", "Average", "Sum",
     "Adasum", "Min", "Max", "Product", "ProcessSet", "global_process_set", "add_process_set",
-    "remove_process_set", "process_set_comm", "check_process_set", "resolve_op", "barrier",
+    "remove_process_set", "process_set_comm", "resolve_op", "barrier",
     "join", "start_timeline", "stop_timeline",
 ]
