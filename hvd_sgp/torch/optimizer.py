@@ -38,7 +38,7 @@ class StagedAccess:
 class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
     """Mixed into a subclass of the user's optimizer class (see DistributedOptimizer)."""
 
-    def __init__(self, params, named_parameters, backward_passes_per_step, sparse_as_dense,
+    def __init__(self, params, named_parameters, backward_passes_per_step,
                  config: adapter.Settings):
         super(self.__class__, self).__init__(params)
         all_params = [p for group in self.param_groups for p in group["params"]]
@@ -46,7 +46,6 @@ class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
         if len({id(p) for p in all_params}) != len(all_params):
             raise SgpValueError("a parameter appears in more than one param group")
         self.backward_passes_per_step = backward_passes_per_step
-        self._sparse_as_dense = sparse_as_dense
         self._groups = group_parameters(all_params)
         signature = [(self._parameter_names.get(id(p), i), tuple(p.shape), str(p.dtype))
                      for i, p in enumerate(all_params)]
@@ -81,10 +80,6 @@ class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
         """Average gradients exactly within the node (across the world in mode='allreduce')."""
         for group in self._groups:
             group.check_views()
-        if self._sparse_as_dense:
-            for p in self._all_params():
-                if p.grad is not None and p.grad.is_sparse:
-                    p.grad = p.grad.to_dense()
         plan = self._session.begin_step(self._floating_state)
         scale = self._session.gradient_scale(plan)  # rides in the copy into the flat buffer
         if plan.reduce:
@@ -227,7 +222,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     schedulers and param_groups keep working. ``num_groups``/``groups`` (Horovod's fusion
     groups) are accepted and unneeded: all parameters already travel as one buffer. Sparse
     gradients are averaged densely where they must be (in-node, or mode='allreduce') and handed
-    back sparse; ``sparse_as_dense=True`` makes them dense for the local step too.
+    back sparse, which is what Horovod's ``sparse_as_dense=True`` does (accepted; here it is
+    always so).
     """
     config = adapter.settings(op, compression, sgp, gradient_predivide_factor,
                               backward_passes_per_step, compression_module.TENSORS, process_set)
@@ -236,8 +232,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                             "supported by DistributedOptimizer")
     cls = type(optimizer.__class__.__name__, (adapter.GossipMethods, optimizer.__class__),
                dict(_DistributedOptimizer.__dict__))
-    wrapped = cls(optimizer.param_groups, named_parameters, backward_passes_per_step,
-                  sparse_as_dense, config)
+    wrapped = cls(optimizer.param_groups, named_parameters, backward_passes_per_step, config)
     wrapped.load_state_dict(optimizer.state_dict())
     return wrapped
 
