@@ -55,6 +55,25 @@ class PeerTimeoutError(SgpError):
     """A peer did not deliver within the timeout: it died, froze or runs a different program."""
 
 
+class HorovodInternalError(RuntimeError):
+    """Horovod's name for a failed collective: a peer was lost. ``hvd.elastic.run`` catches it,
+    repairs the world, restores the committed state and calls the training function again."""
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """Horovod's interrupt for a change of hosts at a commit; ``skip_sync`` says whether the
+    state may skip its re-synchronisation (hosts were only removed)."""
+
+    def __init__(self, skip_sync: bool = False):
+        self.skip_sync = skip_sync
+        super().__init__(f"hosts updated (skip_sync={skip_sync})")
+
+
+class PeerLostError(SgpError, HorovodInternalError):
+    """A peer process failed or was excluded while this rank communicated with it (fault-
+    tolerant mode): the survivors repair the world (hvd_sgp.common.recovery) and go on."""
+
+
 class NotInitializedError(SgpValueError):
     """An hvd_sgp call that needs MPI came before init()."""
 
