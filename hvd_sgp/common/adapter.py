@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from hvd_sgp.common import options as sgp_options
-from hvd_sgp.common import runtime
+from hvd_sgp.common import recovery, runtime
 from hvd_sgp.common.codecs import Codec, codec as make_codec
 from hvd_sgp.common.collectives import ReduceOp
 from hvd_sgp.common.engine import BufferAccess, GossipEngine, StepPlan
-from hvd_sgp.common.errors import NotInitializedError, SgpValueError
+from hvd_sgp.common.errors import NotInitializedError, PeerLostError, SgpValueError
 
 
 @dataclass(frozen=True)
@@ -74,10 +74,17 @@ class SgpSession:
     def start(self) -> GossipEngine:
         """Create the engine if it is not running: a collective (every rank must get here at
         the same point; it compares parameters and options across ranks)."""
-        if self._engine is None:
-            self._engine = GossipEngine(self.buffers, self.settings.options, self.signature,
-                                        self.settings.codec, self.access)
-            self._engine.set_epoch(self._epoch)
+        while self._engine is None:
+            try:
+                with recovery.translated("the start of the optimizer"):
+                    engine = GossipEngine(self.buffers, self.settings.options,
+                                          self.signature, self.settings.codec, self.access)
+                engine.set_epoch(self._epoch)
+                self._engine = engine
+            except PeerLostError:  # a rank lost before the first step: start on the rest
+                if not recovery.repairs_in_step():
+                    raise
+                runtime.repair()
         return self._engine
 
     @property

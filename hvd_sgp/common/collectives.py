@@ -6,11 +6,12 @@ Non-blocking variants return a Handle that the adapters keep in Horovod's handle
 from __future__ import annotations
 
 import enum
+import functools
 from typing import Any, Callable, Optional
 
 import numpy as np
 
-from hvd_sgp.common import runtime
+from hvd_sgp.common import recovery, runtime
 from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.common.mpi import MPI
 
@@ -40,6 +41,16 @@ def mpi_op(op: ReduceOp) -> MPI.Op:
         raise SgpValueError(f"unknown reduction op {op!r}; use Average, Sum, Min, Max or Product")
 
 
+def _translated(fn: Callable) -> Callable:
+    """A lost peer (fault-tolerant mode) surfaces as PeerLostError, a HorovodInternalError
+    that hvd.elastic.run repairs."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with recovery.translated(f"hvd.{fn.__name__}"):
+            return fn(*args, **kwargs)
+    return wrapper
+
+
 class Handle:
     """A collective in flight; ``wait()`` returns its result, ``done()`` polls it."""
 
@@ -54,6 +65,7 @@ class Handle:
     def done(self) -> bool:
         return self._complete or self._request is None or bool(self._request.Test())
 
+    @_translated
     def wait(self) -> Any:
         if not self._complete:
             if self._request is not None:
@@ -68,6 +80,7 @@ def _comm(comm: Optional[MPI.Comm]) -> MPI.Comm:
     return comm if comm is not None else runtime.world_comm()
 
 
+@_translated
 def allreduce_async(array: np.ndarray, op: ReduceOp = ReduceOp.Average,
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     comm: Optional[MPI.Comm] = None, out: Optional[np.ndarray] = None) -> Handle:
@@ -95,12 +108,14 @@ def allreduce_async(array: np.ndarray, op: ReduceOp = ReduceOp.Average,
     return Handle(request, finish, (source, result))
 
 
+@_translated
 def allreduce(array: np.ndarray, op: ReduceOp = ReduceOp.Average, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, comm: Optional[MPI.Comm] = None,
               out: Optional[np.ndarray] = None) -> np.ndarray:
     return allreduce_async(array, op, prescale_factor, postscale_factor, comm, out).wait()
 
 
+@_translated
 def allgather_async(array: np.ndarray, comm: Optional[MPI.Comm] = None) -> Handle:
     """Concatenate every rank's array along the first dimension (first dims may differ)."""
     comm = _comm(comm)
@@ -118,10 +133,12 @@ def allgather_async(array: np.ndarray, comm: Optional[MPI.Comm] = None) -> Handl
     return Handle(request, lambda: result, (source, result))
 
 
+@_translated
 def allgather(array: np.ndarray, comm: Optional[MPI.Comm] = None) -> np.ndarray:
     return allgather_async(array, comm).wait()
 
 
+@_translated
 def broadcast_async(array: np.ndarray, root_rank: int, comm: Optional[MPI.Comm] = None,
                     inplace: bool = False) -> Handle:
     """Broadcast from ``root_rank``; in place when asked (the array must be contiguous)."""
@@ -133,11 +150,13 @@ def broadcast_async(array: np.ndarray, root_rank: int, comm: Optional[MPI.Comm] 
     return Handle(comm.Ibcast(target, root=root_rank), lambda: target, (target,))
 
 
+@_translated
 def broadcast(array: np.ndarray, root_rank: int, comm: Optional[MPI.Comm] = None,
               inplace: bool = False) -> np.ndarray:
     return broadcast_async(array, root_rank, comm, inplace).wait()
 
 
+@_translated
 def alltoall(array: np.ndarray, splits: Optional[np.ndarray] = None,
              comm: Optional[MPI.Comm] = None) -> tuple[np.ndarray, np.ndarray]:
     """Send rows ``splits[j]`` of the first dimension to rank j; returns (rows received, counts)."""
@@ -163,6 +182,7 @@ def alltoall(array: np.ndarray, splits: Optional[np.ndarray] = None,
     return result, received
 
 
+@_translated
 def reducescatter(array: np.ndarray, op: ReduceOp = ReduceOp.Average,
                   comm: Optional[MPI.Comm] = None) -> np.ndarray:
     """Reduce across ranks and give rank r its slice of the first dimension (earlier ranks
@@ -176,16 +196,19 @@ def reducescatter(array: np.ndarray, op: ReduceOp = ReduceOp.Average,
     return reduced[start:start + base + (1 if r < extra else 0)].copy()
 
 
+@_translated
 def broadcast_object(obj: Any, root_rank: int = 0, comm: Optional[MPI.Comm] = None) -> Any:
     comm = _comm(comm)
     _check_root(root_rank, comm)
     return comm.bcast(obj, root=root_rank)
 
 
+@_translated
 def allgather_object(obj: Any, comm: Optional[MPI.Comm] = None) -> list:
     return _comm(comm).allgather(obj)
 
 
+@_translated
 def barrier(comm: Optional[MPI.Comm] = None) -> None:
     _comm(comm).Barrier()
 

@@ -12,6 +12,7 @@ The work is split so that tests need no MPI: ``parse_args`` and ``validate`` rea
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import re
@@ -21,11 +22,13 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence, TypeVar
 
+from hvd_sgp.common import fault_record
 from hvd_sgp.common.errors import OptionError
-from hvd_sgp.common.options import OPTIONS  # importing the core does not start MPI
+from hvd_sgp.common.options import BY_NAME, OPTIONS  # importing the core does not start MPI
 from hvd_sgp.common.options import environment as options_environment
 from hvd_sgp.version import __version__
 
@@ -223,6 +226,8 @@ def validate(args: argparse.Namespace,
         raise LaunchError("no program to run; usage: sgprun -np N [options] program [args]")
     if args.np is None:
         raise LaunchError("-np is required")
+    if args.fault_tolerant and args.min_np is not None and args.min_np > args.np:
+        raise LaunchError(f"--min-np {args.min_np} is more than -np {args.np}")
     hosts = requested_hosts(args)
     if hosts is None:
         return
@@ -379,9 +384,21 @@ def _openmpi_options(args: argparse.Namespace, site: Site, job_env: Mapping[str,
         options += ["--mca", "btl_tcp_if_include", args.nic]
     if args.output_filename:
         options += ["--output-filename", args.output_filename]
+    if args.fault_tolerant:
+        options += fault_tolerant_options(args)
     for name in forwarded_names(job_env):
         options += ["-x", name]
     return options
+
+
+def fault_tolerant_options(args: argparse.Namespace) -> list[str]:
+    """mpirun's ULFM: failures reported to the survivors instead of ending the job, and the
+    heartbeat detector (period a quarter of its timeout, as ULFM requires < 1/3)."""
+    timeout = (args.detector_timeout if args.detector_timeout is not None
+               else BY_NAME["detector_timeout"].default)
+    return ["--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true",
+            "--mca", "mpi_ft_detector_timeout", f"{timeout:g}",
+            "--mca", "mpi_ft_detector_period", f"{timeout / 4:g}"]
 
 
 def _hydra_options(args: argparse.Namespace, job_env: Mapping[str, str]) -> list[str]:
@@ -392,6 +409,9 @@ def _hydra_options(args: argparse.Namespace, job_env: Mapping[str, str]) -> list
     if args.ssh_port:
         raise LaunchError("--ssh-port needs Open MPI; with MPICH/hydra set 'Port' for the hosts in "
                           "~/.ssh/config")
+    if args.fault_tolerant:
+        raise LaunchError("--fault-tolerant needs Open MPI's ULFM (mpirun --with-ft ulfm); "
+                          "this launcher is MPICH/hydra")
     if args.nic:
         options += ["-iface", args.nic]
     if args.output_filename:
@@ -411,6 +431,9 @@ def _srun_options(args: argparse.Namespace) -> list[str]:
         options.append("--nodelist=" + ",".join(host.name for host in hosts))
     if args.ssh_port:
         raise LaunchError("--ssh-port has no meaning with srun")
+    if args.fault_tolerant:
+        raise LaunchError("--fault-tolerant needs Open MPI's ULFM (mpirun --with-ft ulfm); "
+                          "use --launcher mpirun inside the Slurm job")
     if args.output_filename:
         options += [f"--output={args.output_filename}.%t.out",
                     f"--error={args.output_filename}.%t.err"]
@@ -431,6 +454,20 @@ def build_command(args: argparse.Namespace, env: Mapping[str, str], site: Site) 
 def exit_status(returncode: int) -> int:
     """A shell's convention: a child killed by signal n gives 128 + n."""
     return 128 - returncode if returncode < 0 else returncode
+
+
+def fault_tolerant_status(status: int, records: str) -> int:
+    """The job's status under --fault-tolerant: mpirun reports non-zero when a rank that the
+    survivors excluded exited non-zero, so the ranks' own records decide (fault_record.py)."""
+    if status == 0:
+        return 0
+    verdict = fault_record.verdict(records)
+    if not verdict.completed:
+        return status
+    print(f"sgprun: training completed on {len(verdict.finished)} ranks; rank(s) "
+          f"{sorted(verdict.lost)} were lost and excluded (mpirun's status {status} "
+          "counts them)", file=sys.stderr, flush=True)
+    return 0
 
 
 def run(command: Sequence[str], env: Mapping[str, str]) -> int:
@@ -457,19 +494,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         print(report())
         return 0
-    try:
-        validate(args)
-        site = detect_site(args, os.environ)
-        command = build_command(args, os.environ, site)
-        job_env = job_environment(args, os.environ, site)
-    except LaunchError as exc:
-        print(f"sgprun: error: {exc}", file=sys.stderr)
-        return 2
-    if args.output_filename:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output_filename)), exist_ok=True)
-    if args.verbose:
-        print(shlex.join(command), file=sys.stderr, flush=True)
-    return run(command, job_env)
+    with contextlib.ExitStack() as scope:
+        env = dict(os.environ)
+        if args.fault_tolerant:  # where the ranks leave their records (fault_record.py)
+            env[fault_record.VARIABLE] = scope.enter_context(
+                tempfile.TemporaryDirectory(prefix="sgprun-"))
+        try:
+            validate(args)
+            site = detect_site(args, env)
+            command = build_command(args, env, site)
+            job_env = job_environment(args, env, site)
+        except LaunchError as exc:
+            print(f"sgprun: error: {exc}", file=sys.stderr)
+            return 2
+        if args.output_filename:
+            os.makedirs(os.path.dirname(os.path.abspath(args.output_filename)), exist_ok=True)
+        if args.verbose:
+            print(shlex.join(command), file=sys.stderr, flush=True)
+        status = run(command, job_env)
+        if args.fault_tolerant:
+            status = fault_tolerant_status(status, env[fault_record.VARIABLE])
+        return status
 
 
 if __name__ == "__main__":
