@@ -156,7 +156,7 @@ class HandledState(ObjectState):
         super().restore()
 
     def recover(self) -> None:
-        keep = options.from_environment("elastic_restore") == "keep"
+        keep = keeps_parameters()
         for handler in self._handlers.values():
             if not (keep and handler.parameters):
                 handler.restore()
@@ -166,6 +166,12 @@ class HandledState(ObjectState):
         for handler in self._handlers.values():
             handler.sync()
         super().sync()
+
+
+def keeps_parameters() -> bool:
+    """After a lost rank, models and optimizers keep their repaired values (the default,
+    HVD_SGP_ELASTIC_RESTORE=keep) rather than reload the commit."""
+    return options.from_environment("elastic_restore") == "keep"
 
 
 def reset_gossip(optimizer: Any) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import sys
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence, TypeVar
 
@@ -114,6 +115,7 @@ class GossipEngine:
         self._closed = False
         self._enter(schedule.current(self.stages, 0, 0))
         self._subscription = runtime.on_world_change(self._world_changed)
+        atexit.register(_close_at_exit, weakref.ref(self))  # no progress thread in Finalize
         if self.cross.Get_size() == 1 and self.world.Get_size() > 1 and self.world.Get_rank() == 0:
             print(f"hvd_sgp: all {self.world.Get_size()} ranks share one node, so gradients are "
                   "averaged exactly and nothing is gossiped; set HVD_SGP_LOCAL_SIZE=1 to make "
@@ -356,9 +358,11 @@ class GossipEngine:
            from anyone, are dropped with the old communicators, never added later.
         2. The transport and the graph are rebuilt for the new number of nodes.
         3. The fold: an exact weighted average over the survivors, sum_i(w_i z_i) / sum_i(w_i),
-           after which every weight is 1. The mass the lost rank held, and the mass in flight,
-           are gone; what the survivors held is kept exactly (the ledger in ``repairs``), and
-           nothing can be counted twice. In AllReduce SGD the optimizer state is averaged too.
+           after which every weight is 1 (the survivors' total weight is their number). The
+           mass the lost rank held and the mass in flight are gone; the survivors' de-biased
+           average is kept exactly (``repairs`` records the mass held before and after), and
+           no message can be counted twice. In AllReduce SGD the optimizer state is averaged
+           too.
         4. The iteration count becomes the survivors' largest. In a plain script
            (``change.realign``) the survivors noticed the failure at different points of their
            loops: each names the first step it will begin after the repair (the one after the
@@ -422,6 +426,12 @@ class GossipEngine:
         if self.progress is not None:
             self.progress.close()
         self.transport.free()
+
+
+def _close_at_exit(engine: "weakref.ref[GossipEngine]") -> None:
+    alive = engine()
+    if alive is not None:
+        alive.close()
 
 
 def describe_run(options: SgpOptions) -> str:

@@ -103,7 +103,7 @@ OPTIONS: tuple[Option, ...] = (
            "world in place and go on", keyword=False),
     Option("min_np", int, 1, "fault-tolerant: end the job when fewer ranks survive",
            minimum=1, keyword=False),
-    Option("detector_timeout", float, 2.0, "fault-tolerant: seconds of silence before ULFM "
+    Option("detector_timeout", float, 8.0, "fault-tolerant: seconds of silence before ULFM "
            "declares a rank dead", minimum=0.1, keyword=False),
     Option("elastic_restore", str, "keep", "after a lost rank, hvd.elastic.run keeps the "
            "survivors' averaged parameters (keep) or reloads the last commit (commit)",

@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import signal
 import sys
 import threading
 import time
@@ -71,12 +72,12 @@ def configure(world_revoked: Callable[[], bool], origin: int) -> None:
     check_support()
     _status.timeout = float(options.from_environment("timeout"))
     fault_record.write("started", origin)
-    atexit.register(fault_record.write, "finished", origin)
     if _status.watchdog is None:
         _status.watchdog = threading.Thread(target=_watch, args=(world_revoked,),
                                             name="hvd_sgp-watchdog", daemon=True)
         _status.watchdog.start()
         atexit.register(_finalize)
+    atexit.register(fault_record.write, "finished", origin)  # (atexit runs it first)
 
 
 def check_support(environ: Optional[dict] = None) -> None:
@@ -208,12 +209,15 @@ def exclude_self(reason: str) -> None:
 
 
 def leave() -> None:
-    """Leave the job at once, exit status 1, without MPI_Finalize (which would wait for the
-    others): ULFM reports this rank as failed and the survivors repair without it."""
+    """Leave the job at once, without MPI_Finalize (which would wait for the others): ULFM
+    reports this rank as failed and the survivors repair without it. By SIGKILL rather than a
+    non-zero exit status: Open MPI 5.0's runtime counts a rank that exits non-zero twice
+    towards the job's end, so a few of them end the job under the survivors' feet (sgprun
+    reads the 'failed' record instead of the status)."""
     from hvd_sgp.common import runtime
 
     if runtime.is_initialized():
         fault_record.write("failed", runtime.origin_rank())
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(1)
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -456,14 +456,17 @@ def exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def fault_tolerant_status(status: int, records: str) -> int:
-    """The job's status under --fault-tolerant: mpirun reports non-zero when a rank that the
-    survivors excluded exited non-zero, so the ranks' own records decide (fault_record.py)."""
+def fault_tolerant_status(status: int, records: str, ranks: int) -> int:
+    """The job's status under --fault-tolerant: mpirun's counts a rank the survivors excluded
+    when it exited non-zero, and not a rank that was killed or that left by SIGKILL after an
+    error, so the ranks' own records decide (fault_record.py)."""
+    verdict = fault_record.verdict(records)
+    if len(verdict.started) != ranks:  # records of other hosts missing (no shared /tmp)
+        return status
+    if not verdict.completed:
+        return status or 1
     if status == 0:
         return 0
-    verdict = fault_record.verdict(records)
-    if not verdict.completed:
-        return status
     print(f"sgprun: training completed on {len(verdict.finished)} ranks; rank(s) "
           f"{sorted(verdict.lost)} were lost and excluded (mpirun's status {status} "
           "counts them)", file=sys.stderr, flush=True)
@@ -513,7 +516,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(shlex.join(command), file=sys.stderr, flush=True)
         status = run(command, job_env)
         if args.fault_tolerant:
-            status = fault_tolerant_status(status, env[fault_record.VARIABLE])
+            status = fault_tolerant_status(status, env[fault_record.VARIABLE], args.np)
         return status
 
 

@@ -11,10 +11,12 @@ from typing import Optional
 import keras
 import numpy as np
 
-from hvd_sgp.common.errors import NotInitializedError, PeerTimeoutError, SgpError, SgpValueError
+from hvd_sgp.common.errors import (HorovodInternalError, HostsUpdatedInterrupt,
+                                   NotInitializedError, PeerLostError, PeerTimeoutError,
+                                   SgpError, SgpValueError)
 from hvd_sgp.tensorflow import mpi_ops as _ops
 from hvd_sgp.tensorflow.compression import Compression
-from hvd_sgp.tensorflow.keras import callbacks
+from hvd_sgp.tensorflow.keras import callbacks, elastic
 from hvd_sgp.tensorflow.mpi_ops import (Adasum, Average, Max, Min, Product, Sum, cross_rank,
                                         cross_size, init, is_initialized, local_rank,
                                         local_size, mpi_built, mpi_enabled,
@@ -65,6 +67,7 @@ __all__ = [
     "local_rank", "cross_rank", "mpi_threads_supported", "mpi_enabled", "mpi_built",
     "Average", "Sum", "Adasum", "Min", "Max", "Product", "Compression", "DistributedOptimizer",
     "broadcast_global_variables", "allreduce", "allgather", "broadcast", "load_model",
-    "callbacks", "NotInitializedError", "PeerTimeoutError", "SgpError", "SgpValueError",
+    "callbacks", "elastic", "HorovodInternalError", "HostsUpdatedInterrupt",
+    "NotInitializedError", "PeerLostError", "PeerTimeoutError", "SgpError", "SgpValueError",
     "__version__",
 ]
