@@ -52,6 +52,7 @@ class _Status:
         self.elastic_depth = 0  # > 0 while hvd.elastic.run runs the training function
         self.repairing: Optional[float] = None  # the deadline of the repair under way
         self.failure_noticed = False  # set when PeerLostError is raised, cleared by a repair
+        self.repairs = 0  # completed repairs of the world
         self.watchdog: Optional[threading.Thread] = None
         self.stop = threading.Event()
 
@@ -158,6 +159,7 @@ def repairing(deadline: float) -> Iterator[None]:
     try:
         yield
         _status.failure_noticed = False
+        _status.repairs += 1
     finally:
         _status.repairing = None
 
@@ -194,12 +196,28 @@ def _watch(world_revoked: Callable[[], bool]) -> None:
 def _finalize() -> None:
     """At exit: stop the watchdog, then finalize MPI at once. Its heartbeats must go on until
     MPI_Finalize, whose own progress takes them over (a rank silent for the detector's
-    timeout while Python tears down would be declared dead), and must not race it."""
+    timeout while Python tears down would be declared dead), and must not race it.
+
+    After a repair, Open MPI 5.0's MPI_Finalize sometimes never returns; training is over
+    and this rank's record says so, so past a deadline the rank leaves by SIGKILL (which the
+    runtime, in fault-tolerant mode, does not count as an error)."""
     _status.stop.set()
     if _status.watchdog is not None:
         _status.watchdog.join(timeout=5)
-    if MPI.Is_initialized() and not MPI.Is_finalized():
-        MPI.Finalize()
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return
+    if _status.repairs:
+        seconds = float(options.from_environment("detector_timeout")) + 5
+        timer = threading.Timer(seconds, _finalize_hung, args=(seconds,))
+        timer.daemon = True
+        timer.start()
+    MPI.Finalize()
+
+
+def _finalize_hung(seconds: float) -> None:
+    print(on_rank(f"MPI_Finalize did not return within {seconds:.0f} s after a repair (an "
+                  "Open MPI 5.0 issue); leaving by SIGKILL"), file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def exclude_self(reason: str) -> None:

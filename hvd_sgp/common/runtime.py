@@ -338,12 +338,13 @@ def repair(realign: bool = True) -> WorldChange:
     state = _require()
     began = time.monotonic()
     deadline = began + recovery.repair_deadline()
+    before = list(state.origins)  # a failed attempt shrinks too: name all lost since here
     with recovery.repairing(deadline):
         while True:
             revoke_all()
             try:
                 with recovery.translated("the repair of the world"):
-                    change = _rebuild(state, realign)
+                    change = _rebuild(state, before, realign)
                     _notify(change)
                 break
             except PeerLostError:
@@ -358,10 +359,10 @@ def repair(realign: bool = True) -> WorldChange:
     return change
 
 
-def _rebuild(state: _State, realign: bool) -> WorldChange:
+def _rebuild(state: _State, before: list, realign: bool) -> WorldChange:
     survivors = state.world.Shrink()  # (Ishrink fails on a revoked world in Open MPI 5.0)
     entries = survivors.allgather((state.origin, state.node))
-    lost = tuple(sorted(set(state.origins) - {origin for origin, _ in entries}))
+    lost = tuple(sorted(set(before) - {origin for origin, _ in entries}))
     minimum = options.from_environment("min_np")
     if survivors.Get_size() < minimum:
         raise SgpError(f"only {survivors.Get_size()} ranks survive (lost {list(lost)}), fewer "
@@ -369,12 +370,11 @@ def _rebuild(state: _State, realign: bool) -> WorldChange:
     local, cross = _regroup(survivors, entries)
     with _lock:
         old = (state.world, state.local, state.cross)
-        size_before = state.world.Get_size()
         state.world, state.local, state.cross = survivors, local, cross
         state.origins = [origin for origin, _ in entries]
     for comm in old:
         _free(comm)
-    return WorldChange(survivors, local, cross, lost, size_before, realign)
+    return WorldChange(survivors, local, cross, lost, len(before), realign)
 
 
 def _regroup(world: MPI.Comm, entries: list) -> tuple[MPI.Comm, MPI.Comm]:
