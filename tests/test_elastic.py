@@ -97,11 +97,11 @@ def test_digits_with_one_of_eight_killed_matches_the_uninterrupted_run():
     reference, _ = digits(8, fault_tolerant=False)
     survived, output = digits(8, "--kill-rank", "5", "--kill-step", "60")
     killed = float(re.search(r"dies at step 60 at ([0-9.]+)", output).group(1))
-    resumed = min(float(t) for t in re.findall(r"first step after the repair done at "
-                                               r"([0-9.]+) \(7 ranks\)", output))
+    resumed = [float(t) for t in re.findall(r"first step after the repair done at ([0-9.]+)",
+                                            output)]
+    assert resumed and "lost rank(s) [5]" in output, output[-4000:]
     print(f"digits: uninterrupted 8 ranks {reference:.4f}, rank 5 killed at step 60 "
-          f"{survived:.4f}; kill to first step on 7 ranks {resumed - killed:.2f} s")
-    assert "final test accuracy" in output and "on 7 ranks" in output
+          f"{survived:.4f}; kill to first step on the survivors {min(resumed) - killed:.2f} s")
     assert survived >= reference - 0.015, (survived, reference)
 
 
