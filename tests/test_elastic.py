@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -35,8 +36,38 @@ def sgprun(n: int, script: str, *args: str, env: dict | None = None, timeout: fl
     environ.update(env or {})
     cmd = [sys.executable, "-m", "hvd_sgp.runner.launch", "-np", str(n), "--fault-tolerant",
            "--detector-timeout", DETECTOR, *flags, sys.executable, script, *args]
-    return subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=timeout,
-                          cwd=HERE)
+    with subprocess.Popen(cmd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, cwd=HERE) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:  # end sgprun, mpirun and every rank: no orphans
+            for pid in [proc.pid, *descendants(proc.pid)]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            out, err = proc.communicate()
+            raise AssertionError(f"{script} timed out after {timeout} s\n{out[-4000:]}\n"
+                                 f"{err[-4000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def descendants(root: int) -> list[int]:
+    """Every process below ``root`` (from /proc), children first found first."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parents[int(entry)] = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, frontier = [], [root]
+    while frontier:
+        children = [pid for pid, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
 
 
 def expect_passed(proc: subprocess.CompletedProcess, area_line: str) -> str:
