@@ -198,26 +198,22 @@ def _finalize() -> None:
     MPI_Finalize, whose own progress takes them over (a rank silent for the detector's
     timeout while Python tears down would be declared dead), and must not race it.
 
-    After a repair, Open MPI 5.0's MPI_Finalize sometimes never returns; training is over
-    and this rank's record says so, so past a deadline the rank leaves by SIGKILL (which the
-    runtime, in fault-tolerant mode, does not count as an error)."""
+    After a repair, Open MPI 5.0's MPI_Finalize sometimes never returns (holding the GIL, so
+    no Python thread can act): training is over and this rank's record says so, so an alarm
+    set with the default action ends the process past a deadline (a death by signal, which
+    the runtime does not count as an error in fault-tolerant mode)."""
     _status.stop.set()
     if _status.watchdog is not None:
         _status.watchdog.join(timeout=5)
     if not MPI.Is_initialized() or MPI.Is_finalized():
         return
     if _status.repairs:
-        seconds = float(options.from_environment("detector_timeout")) + 5
-        timer = threading.Timer(seconds, _finalize_hung, args=(seconds,))
-        timer.daemon = True
-        timer.start()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(int(float(options.from_environment("detector_timeout"))) + 10)
     MPI.Finalize()
-
-
-def _finalize_hung(seconds: float) -> None:
-    print(on_rank(f"MPI_Finalize did not return within {seconds:.0f} s after a repair (an "
-                  "Open MPI 5.0 issue); leaving by SIGKILL"), file=sys.stderr, flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
+    signal.alarm(0)
 
 
 def exclude_self(reason: str) -> None:
