@@ -125,13 +125,13 @@ def digits(n: int, *args: str, fault_tolerant: bool = True, env: dict | None = N
 
 def test_digits_with_one_of_eight_killed_matches_the_uninterrupted_run():
     """The same script without fault tolerance (plain mpirun, no kill) is the reference."""
-    reference, _ = digits(8, fault_tolerant=False)
-    survived, output = digits(8, "--kill-rank", "5", "--kill-step", "60")
-    killed = float(re.search(r"dies at step 60 at ([0-9.]+)", output).group(1))
+    reference, _ = digits(8, "--epochs", "10", fault_tolerant=False)
+    survived, output = digits(8, "--epochs", "10", "--kill-rank", "5", "--kill-step", "40")
+    killed = float(re.search(r"dies at step 40 at ([0-9.]+)", output).group(1))
     resumed = [float(t) for t in re.findall(r"first step after the repair done at ([0-9.]+)",
                                             output)]
     assert resumed and "lost rank(s) [5]" in output, output[-4000:]
-    print(f"digits: uninterrupted 8 ranks {reference:.4f}, rank 5 killed at step 60 "
+    print(f"digits: uninterrupted 8 ranks {reference:.4f}, rank 5 killed at step 40 "
           f"{survived:.4f}; kill to first step on the survivors {min(resumed) - killed:.2f} s")
     assert survived >= reference - 0.015, (survived, reference)
 
