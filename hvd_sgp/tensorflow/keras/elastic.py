@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import keras
-
 from hvd_sgp.tensorflow.elastic import ObjectState, TensorFlowKerasState, run
+from hvd_sgp.tensorflow.flavour import keras
 
 
 class KerasState(TensorFlowKerasState):
