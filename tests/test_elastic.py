@@ -146,6 +146,31 @@ def test_horovod_style_elastic_scripts():
     assert "epoch state 3" in out
 
 
+HOROVOD_EXAMPLES = os.environ.get("HVD_SGP_HOROVOD_EXAMPLES", "")
+
+
+@pytest.mark.skipif(not os.path.isfile(os.path.join(
+    HOROVOD_EXAMPLES, "tensorflow2_synthetic_benchmark_elastic.py")),
+    reason="HVD_SGP_HOROVOD_EXAMPLES names no folder with Horovod's elastic example scripts "
+           "(they are not vendored here)")
+def test_horovods_own_tf2_elastic_example_unmodified(tmp_path):
+    """Horovod's examples/elastic/tensorflow2/tensorflow2_synthetic_benchmark_elastic.py, as
+    Horovod ships it, through a ``horovod`` alias (tests/horovod_alias.py); rank 2 is
+    SIGKILLed after its 4th commit. tf_keras, as Horovod's TF2 scripts need (``opt.lr``)."""
+    import horovod_alias
+
+    alias = horovod_alias.write(str(tmp_path))
+    env = {"PYTHONPATH": os.pathsep.join([alias, str(REPO), str(HERE)]),
+           "TF_USE_LEGACY_KERAS": "1", "HVD_SGP_TEST_KILL_RANK": "2",
+           "HVD_SGP_TEST_KILL_COMMIT": "4"}
+    proc = sgprun(4, os.path.join(HOROVOD_EXAMPLES, "tensorflow2_synthetic_benchmark_elastic.py"),
+                  "--model", "MobileNetV2", "--batch-size", "2", "--num-warmup-batches", "2",
+                  "--num-batches-per-iter", "2", "--num-iters", "5", "--no-cuda",
+                  env=env, timeout=600)
+    output = expect_passed(proc, "Total img/sec on 3 CPU(s)")
+    assert "rank 2 killed after commit 4" in output and "lost rank(s) [2]" in output
+
+
 # ------------------------------------------------------------------ no MPI
 def test_sgprun_fault_tolerant_command():
     cmd = command(["-np", "4", "--fault-tolerant", "--detector-timeout", "6", "python", "x"])
