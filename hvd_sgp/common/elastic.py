@@ -20,7 +20,8 @@ import functools
 from typing import Any, Callable, Iterable, Optional
 
 from hvd_sgp.common import options, recovery, runtime
-from hvd_sgp.common.errors import HorovodInternalError, HostsUpdatedInterrupt
+from hvd_sgp.common.errors import (HorovodInternalError, HostsUpdatedInterrupt, PeerLostError,
+                                   PeerTimeoutError)
 
 
 class State:
@@ -182,6 +183,12 @@ def reset_gossip(optimizer: Any) -> None:
         session().engine.reset_weights()
 
 
+def _peer_failure(error: HorovodInternalError) -> bool:
+    """A lost or silent peer, which a repair mends; not an error alike on every rank (ranks
+    that disagreed on a collective), which would come back after any number of repairs."""
+    return isinstance(error, (PeerLostError, PeerTimeoutError)) or recovery.failure_pending()
+
+
 def run_fn(func: Callable[..., Any],
            wrap_errors: Optional[Callable[[Callable[..., Any]], Callable[..., Any]]] = None
            ) -> Callable[..., Any]:
@@ -207,9 +214,9 @@ def run_fn(func: Callable[..., Any],
                     if not skip_sync:
                         state.sync()
                     return body(state, *args, **kwargs)
-                except HorovodInternalError:
-                    if not recovery.enabled():
-                        raise  # nothing to repair: the world is gone
+                except HorovodInternalError as error:
+                    if not recovery.enabled() or not _peer_failure(error):
+                        raise  # nothing to repair: the world is gone, or no peer failed
                     repair = recover = reset = True
                     skip_sync = False
                 except HostsUpdatedInterrupt as interrupt:
