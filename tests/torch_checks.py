@@ -542,7 +542,6 @@ def check_sparse_gradients():
         return flat(model)
 
     sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
-    adam = lambda params: torch.optim.Adam(params, lr=0.01)  # noqa: E731
     assert torch.allclose(run(True, sgd), run(False, sgd), atol=1e-6)
     sparse_adam = lambda params: torch.optim.SparseAdam(list(params), lr=0.01)  # noqa: E731
     assert torch.equal(run(True, sparse_adam, True, sparse_as_dense=True),

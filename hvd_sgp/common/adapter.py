@@ -16,10 +16,10 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from hvd_sgp.common import options as sgp_options
-from hvd_sgp.common import runtime
+from hvd_sgp.common import recovery, runtime
 from hvd_sgp.common.codecs import Codec
 from hvd_sgp.common.engine import BufferAccess, GossipEngine, StepPlan
-from hvd_sgp.common.errors import NotInitializedError, SgpValueError
+from hvd_sgp.common.errors import NotInitializedError, PeerLostError, SgpValueError
 from hvd_sgp.common.horovod_api import collectives, join, process_sets
 from hvd_sgp.common.horovod_api.collectives import ReduceOp
 from hvd_sgp.common.horovod_api.compression import Tensors, gossip_codec
@@ -100,10 +100,18 @@ class SgpSession:
     def start(self) -> GossipEngine:
         """Create the engine if it is not running: a collective (every rank must get here at
         the same point; it compares parameters and options across ranks)."""
-        if self._engine is None:
-            self._engine = GossipEngine(self.buffers, self.settings.options, self.signature,
-                                        self.settings.codec, self.access, self.layout)
-            self._engine.set_epoch(self._epoch)
+        while self._engine is None:
+            try:
+                with recovery.translated("the start of the optimizer"):
+                    engine = GossipEngine(self.buffers, self.settings.options,
+                                          self.signature, self.settings.codec, self.access,
+                                          self.layout)
+                engine.set_epoch(self._epoch)
+                self._engine = engine
+            except PeerLostError:  # a rank lost before the first step: start on the rest
+                if not recovery.repairs_in_step():
+                    raise
+                runtime.repair()
         return self._engine
 
     @property

@@ -19,6 +19,11 @@ staged device tensors and TF variables; nothing where the buffers are the parame
 The exchange is PushSum over the cross-node graph (``sgp``, synchronous or overlapped),
 symmetric pairwise averaging (``dpsgd``) or nothing (``allreduce``, where the gradients were
 averaged over the world instead).
+
+In fault-tolerant mode a lost peer surfaces in any of these operations as PeerLostError. In a
+plain script the operation repairs the world there (runtime.repair) and goes on; under
+hvd.elastic.run the error goes up to it. Either way the repair calls ``_world_changed``,
+which rebuilds the graph over the survivors and folds the PushSum state (see there).
 """
 from __future__ import annotations
 
@@ -33,10 +38,10 @@ from typing import Callable, Optional, Protocol, Sequence, TypeVar
 
 import numpy as np
 
-from hvd_sgp.common import runtime, schedule, telemetry
+from hvd_sgp.common import recovery, runtime, schedule, telemetry
 from hvd_sgp.common.arrays import kit_for
 from hvd_sgp.common.codecs import Codec, codec as make_codec
-from hvd_sgp.common.errors import ConsistencyError, PeerTimeoutError, SgpValueError
+from hvd_sgp.common.errors import ConsistencyError, PeerLostError, PeerTimeoutError, SgpValueError
 from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.node import NodeShard, average_arrays, exact_average
 from hvd_sgp.common.options import SgpOptions
@@ -104,7 +109,13 @@ class GossipEngine:
         self.progress = None
         self.elastic = telemetry.ElasticConsistency()
         self.epoch = 0
-        self.steps = 0
+        self.steps = 0  # exchanges: the graph's iteration, equal on every rank
+        self.calls = 0  # end_step calls: the user's loop position (see _world_changed)
+        self._in_call = False  # between a begin_step and its end_step
+        self._skip_until = 0  # after a repair, calls before this one do not communicate,
+        self._resync_at = 0  # and this one begins with an exact average
+        self._planned_ranks = 1  # the ranks begin_step told the adapter to scale for
+        self.repairs: list[dict] = []  # one record per repair this engine went through
         self.stage = None
         self.mixers: list[PushSumMixer] = []
         self._depth = 0  # nesting of _live: only the outermost call goes through access
@@ -119,10 +130,30 @@ class GossipEngine:
         self._server_failure: Optional[BaseException] = None
         self._serve_target = 0  # the step the joined rank has begun serving
         self._enter(schedule.current(self.stages, 0, 0))
+        self._subscription = runtime.on_world_change(self._world_changed)
+        atexit.register(_close_at_exit, weakref.ref(self))  # no progress thread in Finalize
         if self.cross.Get_size() == 1 and self.world.Get_size() > 1 and self.world.Get_rank() == 0:
             print(f"hvd_sgp: all {self.world.Get_size()} ranks share one node, so gradients are "
                   "averaged exactly and nothing is gossiped; set HVD_SGP_LOCAL_SIZE=1 to make "
                   "every rank its own SGP node", file=sys.stderr, flush=True)
+
+    def _guard(self, action: Callable[[], T], what: str, retry: bool = True,
+               on_repair: Callable[[], None] = lambda: None) -> T:
+        """Run a public operation. A lost peer (fault-tolerant mode) goes up as PeerLostError
+        under hvd.elastic.run; in a plain script the world is repaired here, ``on_repair``
+        undoes what the failed attempt left, and the operation runs again on the survivors
+        (``retry``) or counts as done (a step whose exchange the repair's fold replaced)."""
+        while True:
+            try:
+                with recovery.translated(what):
+                    return self._live(action)
+            except PeerLostError:
+                if not recovery.repairs_in_step():
+                    raise
+                runtime.repair(realign=True)
+                on_repair()
+                if not retry:
+                    return None
 
     def _live(self, action: Callable[[], T]) -> T:
         """Run ``action`` with the buffers holding the parameters (see BufferAccess)."""
@@ -150,10 +181,10 @@ class GossipEngine:
     def _enter(self, stage: schedule.Stage,
                optimizer_state: Callable[[], Sequence] = tuple) -> None:
         """Switch exchange; every rank switches at the same step, so they stay consistent."""
-        self.drain()
+        drain(self.mixers)
         if self.stage is not None and stage.mode == "allreduce" and self.stage.mode != "allreduce":
             # AllReduce SGD must start from identical parameters and optimizer state
-            self.average_parameters()
+            self._average_parameters()
             average_arrays(list(optimizer_state()), self.world)
         was_tracking = self.stage is not None and self.tracks_weight
         self.stage = stage
@@ -180,7 +211,7 @@ class GossipEngine:
         for mixer in self.mixers:
             mixer.iteration = self.steps
         if was_tracking and not self.tracks_weight:
-            self.average_parameters()  # the new stage assumes weight 1: fold it in exactly
+            self._average_parameters()  # the new stage assumes weight 1: fold it in exactly
 
     # --- the step -----------------------------------------------------------------------
     def begin_step(self, optimizer_state: Callable[[], Sequence] = tuple) -> StepPlan:
@@ -191,13 +222,27 @@ class GossipEngine:
         so that all ranks take the same steps from there on.
         """
         self._optimizer_state = _weakly(optimizer_state)
+        plan = self._guard(lambda: self._begin_step(self._optimizer_state), "the start of a step")
+        self._in_call = True
+        return plan
+
+    def _begin_step(self, optimizer_state: Callable[[], Sequence]) -> StepPlan:
+        call = self.calls + 1
+        if call < self._skip_until:  # realigning after a repair: a local step only
+            self._planned_ranks = 1
+            return StepPlan(self.stage.mode, False, False, 1)
+        if call == self._resync_at:
+            self._average_parameters()
+            if self.stage.mode == "allreduce":
+                average_arrays(list(optimizer_state()), self.world)
         wanted = schedule.current(self.stages, self.epoch, self.steps)
         entered = False
         if wanted != self.stage:
             entered = wanted.mode == "allreduce" and self.stage.mode != "allreduce"
-            self._live(lambda: self._enter(wanted, optimizer_state))
+            self._enter(wanted, optimizer_state)
         mode = self.stage.mode
         ranks = (self.world if mode == "allreduce" else self.local).Get_size()
+        self._planned_ranks = ranks
         return StepPlan(mode, ranks > 1, entered, ranks)
 
     def reduce_gradients(self, grads, sum_in_node: Optional[Callable] = None) -> None:
@@ -205,9 +250,24 @@ class GossipEngine:
         SGD); ``sum_in_node`` replaces MPI for the node's sum (NCCL). The adapter scaled them
         by 1 / plan.ranks in the copy that fused them, so the sum is the average without
         another pass; only when ranks have joined is it rescaled to the contributors'."""
+        backup = None
+        if recovery.enabled():  # a failed reduction leaves the gradients undefined
+            backup = kit_for(grads).empty(grads, tuple(grads.shape))
+            backup[...] = grads
+
+        def restore() -> None:
+            grads[...] = backup
+
+        self._guard(lambda: self._reduce_gradients(grads, sum_in_node), "the gradient sum",
+                    on_repair=restore)
+
+    def _reduce_gradients(self, grads, sum_in_node: Optional[Callable]) -> None:
         world = self.stage.mode == "allreduce"
         comm = self.world if world else self.local
-        ranks = comm.Get_size()
+        skipped = self.calls + 1 < self._skip_until  # realigning after a repair: local only
+        ranks = 1 if skipped else comm.Get_size()
+        if ranks != self._planned_ranks:  # a repair since begin_step: the adapter scaled
+            grads[:-1] *= self._planned_ranks / ranks  # by 1 / (the ranks it planned for)
         if ranks == 1:
             return
         grads[-1] = 0.0 if self._serving else 1.0 / ranks  # this rank's share of the sum
@@ -227,7 +287,11 @@ class GossipEngine:
 
     def end_step(self, lr: float = 0.0) -> None:
         """The exchange that follows each local step (``lr``: for the consensus metrics)."""
-        self._live(lambda: self._end_step(lr))
+        self.calls += 1
+        self._in_call = False
+        if self.calls < self._skip_until:
+            return
+        self._guard(lambda: self._end_step(lr), "the exchange", retry=False)
 
     def _end_step(self, lr: float) -> None:
         mode = self.stage.mode
@@ -368,19 +432,20 @@ class GossipEngine:
             result = telemetry.consensus(self.parameters(), self.world)
             result["elastic"] = self.elastic.update(result["deviation"], lr)
             return result
-        return self._live(measure)
+        return self._guard(measure, "the consensus measure")
 
     def drain(self) -> None:
         """Complete every exchange in flight (only Overlap SGP leaves any between steps)."""
-        self._live(lambda: drain(self.mixers))
+        self._guard(lambda: drain(self.mixers), "draining the exchanges in flight")
 
     def average_parameters(self) -> None:
         """Exact consensus: every rank gets sum_i(w_i z_i) / sum_i(w_i), and weight 1."""
-        def average() -> None:
-            drain(self.mixers)
-            for buf in self.buffers:
-                exact_average(buf, self.cross, self.local)
-        self._live(average)
+        self._guard(self._average_parameters, "the exact average")
+
+    def _average_parameters(self) -> None:
+        drain(self.mixers)
+        for buf in self.buffers:
+            exact_average(buf, self.cross, self.local)
 
     # --- state and figures ---------------------------------------------------------------
     def state(self) -> dict:
@@ -389,7 +454,7 @@ class GossipEngine:
             drain(self.mixers)
             return {"iteration": self.steps, "epoch": self.epoch,
                     "weights": [float(b[-1]) for b in self.buffers]}
-        return self._live(read)
+        return self._guard(read, "reading the SGP state")
 
     def load_state(self, state: dict) -> None:
         weights = state["weights"]
@@ -405,7 +470,7 @@ class GossipEngine:
                 buf[-1] = w
             self.stage, self.mixers = None, []  # restoring, not switching: nothing to average
             self._enter(schedule.current(self.stages, self.epoch, self.steps))
-        self._live(load)
+        self._guard(load, "loading the SGP state")
 
     def metrics(self) -> dict:
         """Cheap per-rank figures (no communication)."""
@@ -420,12 +485,93 @@ class GossipEngine:
     def closed(self) -> bool:
         return self._closed
 
+    def reset_weights(self) -> None:
+        """After the parameters were made identical on every rank from outside (hvd.elastic's
+        sync broadcasts rank 0's model), drop the messages in flight and set every PushSum
+        weight to 1: the exact state of a consensus. Call it on every rank."""
+        def reset() -> None:
+            for mixer in self.mixers:
+                mixer.abandon()
+            for buf in self.buffers:
+                buf[-1] = 1
+            self.steps = int(self.world.allreduce(self.steps, op=MPI.MAX))
+            self._skip_until = self._resync_at = 0
+            self.stage, self.mixers = None, []
+            self._enter(schedule.current(self.stages, self.epoch, self.steps))
+        self._guard(reset, "resetting the PushSum weights")
+
+    # --- repair after a lost rank (fault-tolerant mode) ---------------------------------------
+    def _world_changed(self, change: "runtime.WorldChange") -> None:
+        """Rebuild on the survivors and fold the PushSum state; called by runtime.repair().
+
+        1. Every iteration in flight is abandoned: each mixer de-biases its shard as it stands
+           (the share it kept plus what it had summed in), and messages still in flight, to or
+           from anyone, are dropped with the old communicators, never added later.
+        2. The transport and the graph are rebuilt for the new number of nodes.
+        3. The fold: an exact weighted average over the survivors, sum_i(w_i z_i) / sum_i(w_i),
+           after which every weight is 1 (the survivors' total weight is their number). The
+           mass the lost rank held and the mass in flight are gone; the survivors' de-biased
+           average is kept exactly (``repairs`` records the mass held before and after), and
+           no message can be counted twice. In AllReduce SGD the optimizer state is averaged
+           too.
+        4. The iteration count becomes the survivors' largest. In a plain script
+           (``change.realign``) the survivors noticed the failure at different points of their
+           loops: each names the first step it will begin after the repair (the one after the
+           step it is in), and every rank takes its steps before the latest of these locally,
+           without communicating, so that all meet at that step, which begins with one more
+           exact average. (Under hvd.elastic.run the training function restarts from the
+           synced state instead.)
+        """
+        def repair() -> None:
+            began = time.monotonic()
+            if self.progress is not None:
+                self.progress.close()
+                self.progress = None
+            for mixer in self.mixers:
+                mixer.abandon()
+            self.transport.free()
+            self.world, self.local, self.cross = change.world, change.local, change.cross
+            self.transport = PeerTransport(self.cross, self.options.timeout)
+            self.transport.timeline = self.timeline
+            if self.metrics_log is not None:
+                self.metrics_log.comm = self.world
+            resume = self.calls + (2 if self._in_call else 1)
+            agreed = np.array([self.steps, resume], dtype=np.int64)
+            self.world.Allreduce(MPI.IN_PLACE, agreed, op=MPI.MAX)
+            steps, meet = agreed.tolist()
+            self.steps = steps
+            self._skip_until = self._resync_at = meet if change.realign else 0
+            self.stage, self.mixers = None, []
+            self._enter(schedule.current(self.stages, self.epoch, self.steps))
+            held = self._mass()
+            for buf in self.buffers:
+                exact_average(buf, self.cross, self.local)
+            if self.stage.mode == "allreduce":
+                average_arrays(list(self._optimizer_state()), self.world)
+            self.repairs.append({"lost": list(change.lost), "size": self.world.Get_size(),
+                                 "iteration": self.steps, "held": held, "after": self._mass(),
+                                 "skipped_to": self._skip_until,
+                                 "seconds": time.monotonic() - began})
+        self._live(repair)
+
+    def _mass(self) -> list:
+        """The survivors' PushSum mass, summed over ranks: [sum of w * z over every parameter,
+        sum of w] per buffer (one allreduce; for the repair ledger)."""
+        local = [x for buf in self.buffers
+                 for x in (float(buf[-1]) * kit_for(buf).total(buf[:-1]), float(buf[-1]))]
+        if self.local.Get_size() > 1:  # one copy per node: count it once
+            local = [x if self.local.Get_rank() == 0 else 0.0 for x in local]
+        total = np.array(local, dtype=np.float64)
+        self.world.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
+        return total.tolist()
+
     def close(self) -> None:
         """Stop the progress thread and release the communicator (no communication: it also
         runs when the optimizer is collected, on one rank only)."""
         if self._closed:
             return
         self._closed = True
+        runtime.forget_world_change(self._subscription)
         if self.timeline is not None:
             self.timeline.close()
         if self.progress is not None:
@@ -440,6 +586,12 @@ def _weakly(function: Callable[[], Sequence]) -> Callable[[], Sequence]:
         return function
     method = weakref.WeakMethod(function)
     return lambda: method()() if method() is not None else ()
+
+
+def _close_at_exit(engine: "weakref.ref[GossipEngine]") -> None:
+    alive = engine()
+    if alive is not None:
+        alive.close()
 
 
 def describe_run(options: SgpOptions) -> str:

@@ -76,6 +76,12 @@ class CollectiveTimeoutError(HorovodInternalError, PeerTimeoutError):
     """A Horovod-API collective waited past HVD_SGP_TIMEOUT for the ranks it names."""
 
 
+class PeerLostError(HorovodInternalError):
+    """A peer process failed or was excluded while this rank communicated with it (fault-
+    tolerant mode): the survivors repair the world (hvd_sgp.common.recovery) and go on;
+    ``hvd.elastic.run`` catches it, repairs and calls the training function again."""
+
+
 class HostsUpdatedInterrupt(SgpError):
     """Horovod's elastic interrupt: the set of hosts changed (``skip_sync`` as in Horovod)."""
 

@@ -99,6 +99,15 @@ OPTIONS: tuple[Option, ...] = (
     Option("metrics_every", int, 10, "steps between metrics records", minimum=1),
     Option("local_size", int, None, "ranks per SGP node; 1 makes every rank a node",
            minimum=1, keyword=False),
+    Option("fault_tolerant", bool, False, "survive lost ranks (ULFM): the survivors repair the "
+           "world in place and go on", keyword=False),
+    Option("min_np", int, 1, "fault-tolerant: end the job when fewer ranks survive",
+           minimum=1, keyword=False),
+    Option("detector_timeout", float, 8.0, "fault-tolerant: seconds of silence before ULFM "
+           "declares a rank dead", minimum=0.1, keyword=False),
+    Option("elastic_restore", str, "keep", "after a lost rank, hvd.elastic.run keeps the "
+           "survivors' averaged parameters (keep) or reloads the last commit (commit)",
+           choices=("keep", "commit"), keyword=False),
 )
 BY_NAME = {o.name: o for o in OPTIONS}
 KEYWORDS = tuple(o.name for o in OPTIONS if o.keyword)

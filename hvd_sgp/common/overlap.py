@@ -62,9 +62,17 @@ class OverlapMixer(PushSumMixer):
         self._release()
         self.settle()
 
+    def abandon(self) -> None:
+        """Give up every iteration in flight (a peer was lost): their messages, sent or
+        expected, are dropped, never added."""
+        super().abandon()
+        self.in_flight.clear()
+        self._slots.clear()
+
     def _rebias(self) -> None:
         if self.track_weight:
             self.buffer[self.start:self.stop] *= self.buffer[self.n]
+            self._unsettled = 1.0
 
     def _collect(self, stale: int) -> None:
         """Add arrived messages; wait for those of iterations <= ``stale``."""

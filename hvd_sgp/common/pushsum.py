@@ -105,6 +105,7 @@ class PushSumMixer:
         self._size = (self.codec.nbytes(self.width) + WEIGHT_BYTES if self._wire
                       else self.width + int(self.track_weight))
         self._slot = Slot(self.kit, buffer)  # synchronous iterations reuse one
+        self._unsettled: Optional[float] = None  # share kept by an iteration not yet settled
 
     @property
     def weight(self) -> float:
@@ -170,6 +171,7 @@ class PushSumMixer:
             shard *= keep
             weight *= keep
         received = slot.receive(len(in_peers), self._size, self._wire)
+        self._unsettled = keep
         self.kit.ready(self.buffer)
         pending = self.transport.start(self.iteration, sends,
                                        [(peer, received[t]) for t, peer in enumerate(in_peers)])
@@ -206,7 +208,16 @@ class PushSumMixer:
         """De-bias the shard and gather the node's shards back into the whole buffer."""
         if self.track_weight:
             self.buffer[self.start:self.stop] /= self.buffer[self.n]
+        self._unsettled = None
         self.part.gather()
+
+    def abandon(self) -> None:
+        """Give up the iteration in flight (a peer was lost): de-bias the shard as it stands,
+        dropping what did not arrive; the messages in flight are never added."""
+        if self._unsettled is not None:
+            shard = self.buffer[self.start:self.stop]
+            shard /= self.buffer[self.n] if self.track_weight else self._unsettled
+            self._unsettled = None
 
     def add(self, received, sources: list[int]) -> None:
         """Add received messages (one row each) into the re-biased shard and the weight."""

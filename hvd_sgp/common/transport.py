@@ -2,7 +2,8 @@
 
 Every send and receive is non-blocking (Isend/Irecv on a private communicator, tagged with the
 iteration), and waits poll with a deadline, so a dead or frozen peer becomes a
-PeerTimeoutError naming that peer and the iteration instead of a hang.
+PeerTimeoutError naming that peer and the iteration instead of a hang. In fault-tolerant mode
+both become PeerLostError instead (see recovery.py), which the survivors repair.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
+from hvd_sgp.common import recovery, runtime
 from hvd_sgp.common.errors import PeerTimeoutError, on_rank
 from hvd_sgp.common.mpi import MPI
 
@@ -45,6 +47,7 @@ class Pending:
     complete: list = field(default_factory=list)  # per request, kept by Progress
     added: set = field(default_factory=set)  # receive rows already summed in (overlap)
     buffers: list = field(default_factory=list)  # alive until the requests complete
+    error: Any = None  # an MPI error the progress thread met on these requests
 
     def sources(self) -> list[int]:
         return [peer for peer, kind in zip(self.peers, self.kinds) if kind == "receive"]
@@ -68,6 +71,9 @@ class Deadline:
         timeout = self.transport.timeout
         if waited > timeout:
             who = self.transport.describe(self.pending, late())
+            if recovery.enabled():
+                raise recovery.lost(f"waited {timeout:.0f} s at iteration "
+                                    f"{self.pending.iteration} for {who}: declared failed")
             raise PeerTimeoutError(
                 f"waited {timeout:.0f} s at iteration {self.pending.iteration} for {who} "
                 "(dead or frozen peer, or ranks running different steps); raise "
@@ -122,6 +128,7 @@ class PeerTransport:
 
     def __init__(self, comm: MPI.Comm, timeout: float | None = None):
         self.comm = comm.Dup()  # private: our tags never meet the user's messages
+        runtime.track(self.comm)  # revoked with the world when a peer is lost
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.timeout = DEFAULT_TIMEOUT if timeout is None else timeout
@@ -134,6 +141,11 @@ class PeerTransport:
               receives: Sequence[tuple[int, Any]]) -> Pending:
         """Post this iteration's receives, then its sends; returns the requests to wait on
         (receives first, in the order given)."""
+        with recovery.translated(f"the exchange of iteration {iteration}"):
+            return self._start(iteration, sends, receives)
+
+    def _start(self, iteration: int, sends: Sequence[tuple[int, Any]],
+               receives: Sequence[tuple[int, Any]]) -> Pending:
         pending = Pending(iteration)
         tag = tag_of(iteration)
         for peer, buf in receives:
@@ -152,13 +164,14 @@ class PeerTransport:
     def wait(self, pending: Pending) -> None:
         """Block until every request completes, or raise PeerTimeoutError past the deadline."""
         began = time.monotonic()
-        if not MPI.Request.Testall(pending.requests):
-            deadline = Deadline(self, pending, began)
-            pause = 2e-6
-            while not MPI.Request.Testall(pending.requests):
-                deadline.check(lambda: [not req.Test() for req in pending.requests])
-                time.sleep(pause)
-                pause = min(pause * 2, 5e-4)
+        with recovery.translated(f"the exchange of iteration {pending.iteration}"):
+            if not MPI.Request.Testall(pending.requests):
+                deadline = Deadline(self, pending, began)
+                pause = 2e-6
+                while not MPI.Request.Testall(pending.requests):
+                    deadline.check(lambda: [not req.Test() for req in pending.requests])
+                    time.sleep(pause)
+                    pause = min(pause * 2, 5e-4)
         self.record_wait(pending, began)
 
     def record_wait(self, pending: Pending, began: float) -> None:
@@ -178,8 +191,13 @@ class PeerTransport:
         return ", ".join(names) or "peers"
 
     def free(self) -> None:
+        runtime.untrack(self.comm)
         if not MPI.Is_finalized():
-            self.comm.Free()
+            try:
+                self.comm.Free()
+            except MPI.Exception:
+                if not recovery.enabled():
+                    raise  # a revoked communicator (after a lost peer) is left to MPI
 
 
 def _nbytes(buf: Any) -> int:
@@ -220,12 +238,20 @@ class Progress:
                 if self._closed:
                     return
                 batch = list(self._active)
-            finished = [(p, i) for p in batch for i, req in enumerate(p.requests)
-                        if not p.complete[i] and req.Test()]
+            finished, failed = [], False
+            for p in batch:
+                try:
+                    finished += [(p, i) for i, req in enumerate(p.requests)
+                                 if not p.complete[i] and req.Test()]
+                except MPI.Exception as error:  # a lost peer: the waiter raises it
+                    p.error, failed = error, True
             with self._cond:
                 for p, i in finished:
                     p.complete[i] = True
-                self._active = [p for p in self._active if not all(p.complete)]
+                self._active = [p for p in self._active
+                                if not all(p.complete) and p.error is None]
+                if failed:
+                    self._cond.notify_all()
                 if finished:
                     self._cond.notify_all()
             pause = 2e-5 if finished else min(pause * 2, self._pause)
@@ -242,9 +268,12 @@ class Progress:
         began = time.monotonic()
         deadline = Deadline(self.transport, pending, began)
         with self._cond:
-            while not ready(pending):
+            while not ready(pending) and pending.error is None:
                 deadline.check(lambda: [not done for done in pending.complete])
                 self._cond.wait(0.5)
+        if pending.error is not None:
+            with recovery.translated(f"the exchange of iteration {pending.iteration}"):
+                raise pending.error
         self.transport.record_wait(pending, began)
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ tests need no MPI: ``parse_args`` and ``validate`` read the request,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shlex
@@ -22,11 +23,13 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence, TypeVar
 
+from hvd_sgp.common import fault_record
 from hvd_sgp.common.errors import OptionError
-from hvd_sgp.common.options import OPTIONS  # importing the core does not start MPI
+from hvd_sgp.common.options import BY_NAME, OPTIONS  # importing the core does not start MPI
 from hvd_sgp.common.options import environment as options_environment
 from hvd_sgp.runner import horovod_flags
 from hvd_sgp.runner.hosts import Host, parse_hosts, read_hostfile  # noqa: F401 (public here too)
@@ -131,6 +134,8 @@ def validate(args: argparse.Namespace,
         raise LaunchError("no program to run; usage: sgprun -np N [options] program [args]")
     if args.np is None:
         raise LaunchError("-np is required")
+    if args.fault_tolerant and args.min_np is not None and args.min_np > args.np:
+        raise LaunchError(f"--min-np {args.min_np} is more than -np {args.np}")
     hosts = requested_hosts(args)
     if hosts is None:
         return
@@ -312,9 +317,21 @@ def _openmpi_options(args: argparse.Namespace, site: Site, job_env: Mapping[str,
         options += ["--output", "timestamp"] if site.major >= 5 else ["--timestamp-output"]
     if args.output_filename:
         options += ["--output-filename", args.output_filename]
+    if args.fault_tolerant:
+        options += fault_tolerant_options(args)
     for name in forwarded_names(job_env):
         options += ["-x", name]
     return options
+
+
+def fault_tolerant_options(args: argparse.Namespace) -> list[str]:
+    """mpirun's ULFM: failures reported to the survivors instead of ending the job, and the
+    heartbeat detector (period a quarter of its timeout, as ULFM requires < 1/3)."""
+    timeout = (args.detector_timeout if args.detector_timeout is not None
+               else BY_NAME["detector_timeout"].default)
+    return ["--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true",
+            "--mca", "mpi_ft_detector_timeout", f"{timeout:g}",
+            "--mca", "mpi_ft_detector_period", f"{timeout / 4:g}"]
 
 
 def _hydra_options(args: argparse.Namespace, job_env: Mapping[str, str]) -> list[str]:
@@ -323,6 +340,9 @@ def _hydra_options(args: argparse.Namespace, job_env: Mapping[str, str]) -> list
     hosts = requested_hosts(args)
     if hosts:
         options += ["-hosts", _host_list(hosts)]
+    if args.fault_tolerant:
+        raise LaunchError("--fault-tolerant needs Open MPI's ULFM (mpirun --with-ft ulfm); "
+                          "this launcher is MPICH/hydra")
     if args.nic:
         options += ["-iface", args.nic]
     if args.output_filename:
@@ -344,6 +364,9 @@ def _srun_options(args: argparse.Namespace) -> list[str]:
     hosts = requested_hosts(args)
     if hosts:
         options.append("--nodelist=" + ",".join(host.name for host in hosts))
+    if args.fault_tolerant:
+        raise LaunchError("--fault-tolerant needs Open MPI's ULFM (mpirun --with-ft ulfm); "
+                          "use --launcher mpirun inside the Slurm job")
     if args.output_filename:
         options += [f"--output={args.output_filename}.%t.out",
                     f"--error={args.output_filename}.%t.err"]
@@ -364,6 +387,23 @@ def build_command(args: argparse.Namespace, env: Mapping[str, str], site: Site) 
 def exit_status(returncode: int) -> int:
     """A shell's convention: a child killed by signal n gives 128 + n."""
     return 128 - returncode if returncode < 0 else returncode
+
+
+def fault_tolerant_status(status: int, records: str, ranks: int) -> int:
+    """The job's status under --fault-tolerant: mpirun's counts a rank the survivors excluded
+    when it exited non-zero, and not a rank that was killed or that left by SIGKILL after an
+    error, so the ranks' own records decide (fault_record.py)."""
+    verdict = fault_record.verdict(records)
+    if len(verdict.started) != ranks:  # records of other hosts missing (no shared /tmp)
+        return status
+    if not verdict.completed:
+        return status or 1
+    if status == 0:
+        return 0
+    print(f"sgprun: training completed on {len(verdict.finished)} ranks; rank(s) "
+          f"{sorted(verdict.lost)} were lost and excluded (mpirun's status {status} "
+          "counts them)", file=sys.stderr, flush=True)
+    return 0
 
 
 def run(command: Sequence[str], env: Mapping[str, str]) -> int:
@@ -390,22 +430,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         print(report())
         return 0
-    try:
-        validate(args)
-        site = detect_site(args, os.environ)
-        command = build_command(args, os.environ, site)
-        job_env = job_environment(args, os.environ, site)
-    except LaunchError as exc:
-        print(f"sgprun: error: {exc}", file=sys.stderr)
-        return 2
-    notice = horovod_flags.warning(args, args.config_unknown)
-    if notice:
-        print(notice, file=sys.stderr, flush=True)
-    if args.output_filename:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output_filename)), exist_ok=True)
-    if args.verbose:
-        print(shlex.join(command), file=sys.stderr, flush=True)
-    return run(command, job_env)
+    with contextlib.ExitStack() as scope:
+        env = dict(os.environ)
+        if args.fault_tolerant:  # where the ranks leave their records (fault_record.py)
+            env[fault_record.VARIABLE] = scope.enter_context(
+                tempfile.TemporaryDirectory(prefix="sgprun-"))
+        try:
+            validate(args)
+            site = detect_site(args, env)
+            command = build_command(args, env, site)
+            job_env = job_environment(args, env, site)
+        except LaunchError as exc:
+            print(f"sgprun: error: {exc}", file=sys.stderr)
+            return 2
+        notice = horovod_flags.warning(args, args.config_unknown)
+        if notice:
+            print(notice, file=sys.stderr, flush=True)
+        if args.output_filename:
+            os.makedirs(os.path.dirname(os.path.abspath(args.output_filename)), exist_ok=True)
+        if args.verbose:
+            print(shlex.join(command), file=sys.stderr, flush=True)
+        status = run(command, job_env)
+        if args.fault_tolerant:
+            status = fault_tolerant_status(status, env[fault_record.VARIABLE], args.np)
+        return status
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from hvd_sgp.common.errors import NotInitializedError, PeerTimeoutError, SgpError, SgpValueError
+from hvd_sgp.common.errors import (HorovodInternalError, HostsUpdatedInterrupt,
+                                   NotInitializedError, PeerLostError, PeerTimeoutError,
+                                   SgpError, SgpValueError)
+from hvd_sgp.tensorflow import elastic
 from hvd_sgp.tensorflow import optimizer as _optimizer
 from hvd_sgp.tensorflow.compression import Compression
 from hvd_sgp.tensorflow.gradient_tape import (DistributedGradientTape,
@@ -41,6 +44,7 @@ def DistributedOptimizer(optimizer, name: Optional[str] = None, use_locking: boo
 
 __all__ = list(_ops) + [
     "DistributedOptimizer", "DistributedGradientTape", "PartialDistributedGradientTape",
-    "SyncBatchNormalization", "NotInitializedError",
-    "PeerTimeoutError", "SgpError", "SgpValueError", "__version__",
+    "SyncBatchNormalization", "elastic", "HorovodInternalError", "HostsUpdatedInterrupt",
+    "NotInitializedError", "PeerLostError", "PeerTimeoutError", "SgpError", "SgpValueError",
+    "__version__",
 ]

@@ -2,7 +2,10 @@
 
 Collectives are exact (for metrics and state); ``DistributedOptimizer`` trains with SGP.
 """
-from hvd_sgp.common.errors import NotInitializedError, PeerTimeoutError, SgpError, SgpValueError
+from hvd_sgp.common.errors import (HorovodInternalError, HostsUpdatedInterrupt,
+                                   NotInitializedError, PeerLostError, PeerTimeoutError,
+                                   SgpError, SgpValueError)
+from hvd_sgp.torch import elastic
 from hvd_sgp.torch.compression import Compression
 from hvd_sgp.torch.functions import (allgather_object, broadcast_object,
                                      broadcast_optimizer_state, broadcast_parameters)
@@ -14,6 +17,7 @@ from hvd_sgp.version import __version__
 
 __all__ = list(_ops) + [
     "Compression", "DistributedOptimizer", "allgather_object", "broadcast_object",
-    "broadcast_optimizer_state", "broadcast_parameters", "SyncBatchNorm", "NotInitializedError",
+    "broadcast_optimizer_state", "broadcast_parameters", "SyncBatchNorm", "elastic",
+    "HorovodInternalError", "HostsUpdatedInterrupt", "NotInitializedError", "PeerLostError",
     "PeerTimeoutError", "SgpError", "SgpValueError", "__version__",
 ]

@@ -25,6 +25,12 @@ HOROVOD_STALL_CHECK_DISABLE=1 turns the warning off) and fails it on every rank 
 HVD_SGP_TIMEOUT (default 300), naming the missing ranks; a rank whose coordinator stays
 silent fails by itself a little later. A timeout breaks the controller: every later op on
 it fails at once with the same message.
+
+In fault-tolerant mode (recovery.py) a lost peer met by any MPI call here breaks the
+controller the same way with PeerLostError (a HorovodInternalError) and revokes every hvd_sgp
+communicator, these controllers' included (they are tracked by the runtime), so the ranks
+waiting on a live coordinator learn too; the repair then replaces every controller
+(process_sets subscribes to runtime.on_world_change).
 """
 from __future__ import annotations
 
@@ -37,7 +43,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Optional
 
-from hvd_sgp.common.errors import (CollectiveTimeoutError, HorovodInternalError, SgpValueError,
+from hvd_sgp.common import recovery, runtime
+from hvd_sgp.common.errors import (CollectiveTimeoutError, HorovodInternalError, PeerLostError,
+                                   SgpValueError,
                                    on_rank)
 from hvd_sgp.common.mpi import MPI
 
@@ -223,7 +231,10 @@ class Controller:
             self._send(pickle.dumps(message, pickle.HIGHEST_PROTOCOL), 0, TAG_REQUEST)
 
     def _send(self, data: bytes, dest: int, tag: int) -> None:
-        self.outbox.append((self.comm.Isend([data, MPI.BYTE], dest, tag), data))
+        try:
+            self.outbox.append((self.comm.Isend([data, MPI.BYTE], dest, tag), data))
+        except MPI.Exception as error:
+            self._lost_peer(error)
 
     def _receive(self, source: int, tag: int) -> Optional[tuple[int, Any]]:
         status = MPI.Status()
@@ -239,6 +250,13 @@ class Controller:
         """One non-blocking pass over everything in flight; True when something moved."""
         if self.closed:
             return False
+        try:
+            return self._progress()
+        except MPI.Exception as error:
+            self._lost_peer(error)
+            return True
+
+    def _progress(self) -> bool:
         moved = self._flush_outbox()
         if self.coordinator:
             while (incoming := self._receive(MPI.ANY_SOURCE, TAG_REQUEST)) is not None:
@@ -438,7 +456,10 @@ class Controller:
         except StopIteration as stop:
             self._retire(op, None, stop.value)
         except Exception as error:  # noqa: BLE001  (fail the op, not the progress loop)
-            self._retire(op, error)
+            if isinstance(error, MPI.Exception) and recovery.is_failure(error):
+                self._lost_peer(error)
+            else:
+                self._retire(op, error)
 
     def _retire(self, op: Operation, error: Optional[BaseException], result: Any = None) -> None:
         op.finish(result, error)
@@ -496,6 +517,15 @@ class Controller:
         self.starting.clear()
         self.running.clear()
 
+    def _lost_peer(self, error: MPI.Exception) -> None:
+        """An MPI error: in fault-tolerant mode a lost peer, which fails every op of this set
+        with PeerLostError and revokes every hvd_sgp communicator; otherwise it goes up."""
+        if not recovery.is_failure(error):
+            raise error
+        lost = recovery.lost(f"a peer was lost during a Horovod collective{self._where()} "
+                             f"({error.Get_error_string()})")
+        self._break(str(lost), notify=False, error=PeerLostError)
+
     def _broken_error(self) -> HorovodInternalError:
         return self.broken_error(self.broken)
 
@@ -521,8 +551,13 @@ class Controller:
         self._break(f"process set {self.set_id} was removed or hvd_sgp was shut down",
                     notify=False, error=HorovodInternalError)
         self.closed = True
+        runtime.untrack(self.comm)
         if not MPI.Is_finalized():
-            self.comm.Free()
+            try:
+                self.comm.Free()
+            except MPI.Exception:
+                if not recovery.enabled():
+                    raise  # a communicator revoked after a lost peer is left to MPI
 
 
 JOIN = "join"  # the name (and kind) of join's request

@@ -6,6 +6,10 @@ DistributedOptimizer(process_set=...)), and on its member ranks a negotiation Co
 private duplicate of it. Set 0 is the global set. Adding and removing a set is collective
 over all ranks and negotiated on the global set, so every rank registers the same sets under
 the same ids, or every rank fails with the same error.
+
+After a repair of the world (fault-tolerant mode, runtime.on_world_change) every set is
+dropped and the global set reopened on the survivors: the other sets named ranks by the old
+numbering, and some of them are gone (re-add them in an elastic reset callback).
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import os
 import time
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
-from hvd_sgp.common import runtime
+from hvd_sgp.common import recovery, runtime
 from hvd_sgp.common.errors import CollectiveTimeoutError, NotInitializedError, SgpValueError
 from hvd_sgp.common.horovod_api import negotiation
 from hvd_sgp.common.horovod_api.negotiation import Controller, Kind, Settings
@@ -75,6 +79,7 @@ _sets: dict[int, _Registered] = {}
 _objects: dict[int, list[ProcessSet]] = {}  # the user's objects carrying each id
 _world: Optional[MPI.Comm] = None  # the runtime's world this layer was started on
 _next_id = [1]
+_subscription: list = []  # the on_world_change key, once subscribed
 
 
 def start(settings: Settings) -> None:
@@ -92,6 +97,18 @@ def start(settings: Settings) -> None:
     _sets[0] = _Registered(tuple(range(n)), world)
     global_process_set.ranks = list(range(n))
     _world = world
+    if not _subscription:
+        _subscription.append(runtime.on_world_change(_world_changed))
+
+
+def _world_changed(change: "runtime.WorldChange") -> None:
+    """A repair replaced the world: drop every set (their communicators held the old
+    ranks) and open the global set on the survivors, with the same settings. Called on every
+    survivor by runtime.repair, so the collective start lines up; idempotent."""
+    ctl = negotiation.controllers.get(0)
+    settings = ctl.settings if ctl is not None else Settings.from_environ()
+    stop()
+    start(settings)
 
 
 def started() -> bool:
@@ -186,6 +203,7 @@ def world_ranks_of(comm: MPI.Comm) -> list:
 def _dup(comm: MPI.Comm, timeout: float) -> MPI.Comm:
     """A private duplicate of ``comm``, waiting for the other ranks under the deadline."""
     new, request = comm.Idup()
+    runtime.track(new)  # revoked with the world when a peer is lost (fault-tolerant mode)
     began, pause = time.monotonic(), 0.0
     while not request.Test():
         if time.monotonic() - began > timeout:
@@ -204,7 +222,11 @@ def _drop(sid: int) -> None:
     registered = _sets.pop(sid, None)
     if sid != 0 and registered is not None and registered.comm is not None \
             and not MPI.Is_finalized():
-        registered.comm.Free()
+        try:
+            registered.comm.Free()
+        except MPI.Exception:
+            if not recovery.enabled():
+                raise  # after a lost peer a communicator may refuse: left to MPI
     for ps in _objects.pop(sid, []):
         ps.process_set_id = None
 

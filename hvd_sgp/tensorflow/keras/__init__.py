@@ -12,13 +12,13 @@ from typing import Optional
 import tensorflow as tf
 
 from hvd_sgp.common.errors import (HorovodInternalError, HostsUpdatedInterrupt,
-                                   NotInitializedError, PeerTimeoutError, SgpError,
-                                   SgpValueError)
+                                   NotInitializedError, PeerLostError, PeerTimeoutError,
+                                   SgpError, SgpValueError)
 from hvd_sgp.tensorflow import flavour
 from hvd_sgp.tensorflow import mpi_ops as _ops
 from hvd_sgp.tensorflow import compression as compression_module
 from hvd_sgp.tensorflow.compression import Compression
-from hvd_sgp.tensorflow.keras import callbacks
+from hvd_sgp.tensorflow.keras import callbacks, elastic
 from hvd_sgp.tensorflow.mpi_ops import (Adasum, Average, Max, Min, Product, ProcessSet, Sum,
                                         add_process_set, ccl_built, cross_rank, cross_size,
                                         cuda_built, ddl_built, global_process_set, gloo_built,
@@ -96,7 +96,7 @@ __all__ = [
     "add_process_set", "remove_process_set", "Average", "Sum", "Adasum", "Min", "Max",
     "Product", "Compression", "DistributedOptimizer", "PartialDistributedOptimizer",
     "SyncBatchNormalization", "broadcast_global_variables", "allreduce", "allgather",
-    "broadcast", "reducescatter", "load_model", "callbacks", "HorovodInternalError",
-    "HostsUpdatedInterrupt", "NotInitializedError", "PeerTimeoutError", "SgpError",
-    "SgpValueError", "__version__",
+    "broadcast", "reducescatter", "load_model", "callbacks", "elastic", "HorovodInternalError",
+    "HostsUpdatedInterrupt", "NotInitializedError", "PeerLostError", "PeerTimeoutError",
+    "SgpError", "SgpValueError", "__version__",
 ]

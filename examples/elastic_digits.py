@@ -1,0 +1,106 @@
+"""Elastic training that survives a lost rank: digits with Horovod's elastic API on SGP.
+
+One rank dies on purpose at a chosen step (``--kill-rank``, ``--kill-step``; ``--kill-how``
+exit or sigkill); the survivors repair the world in place, recover the state and go on. Run
+it under ULFM, e.g. on 8 ranks, each its own SGP node:
+
+    sgprun -np 8 --local-size 1 --fault-tolerant python examples/elastic_digits.py \\
+        --kill-rank 3 --kill-step 60
+
+Without ``--fault-tolerant`` the same script trains as a plain Horovod job (no kill then).
+"""
+import argparse
+import os
+import signal
+import time
+
+import torch
+import torch.nn.functional as F
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+
+import hvd_sgp.torch as hvd  # was: import horovod.torch as hvd
+
+parser = argparse.ArgumentParser(description="elastic digits")
+parser.add_argument("--epochs", type=int, default=15)
+parser.add_argument("--batch-size", type=int, default=16)
+parser.add_argument("--lr", type=float, default=0.01)
+parser.add_argument("--momentum", type=float, default=0.9)
+parser.add_argument("--batches-per-commit", type=int, default=5)
+parser.add_argument("--kill-rank", type=int, default=-1, help="this rank dies (launch rank)")
+parser.add_argument("--kill-step", type=int, default=-1, help="...before this global step")
+parser.add_argument("--kill-how", choices=("exit", "sigkill"), default="exit")
+parser.add_argument("--seed", type=int, default=42)
+args = parser.parse_args()
+
+hvd.init()
+torch.manual_seed(args.seed)
+torch.set_num_threads(1)
+launch_rank = hvd.rank()
+
+digits = load_digits()
+x = torch.tensor(digits.data / 16.0, dtype=torch.float32)
+y = torch.tensor(digits.target, dtype=torch.long)
+x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25, random_state=0)
+train_set = torch.utils.data.TensorDataset(x_train, y_train)
+sampler = hvd.elastic.ElasticSampler(train_set, seed=args.seed)
+loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+
+model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(),
+                            momentum=args.momentum)
+optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+events = {"resumed": None}
+
+
+def evaluate() -> float:
+    with torch.no_grad():
+        accuracy = (model(x_test).argmax(1) == y_test).float().mean()
+    return hvd.allreduce(accuracy, name="accuracy").item()
+
+
+@hvd.elastic.run
+def train(state):
+    for state.epoch in range(state.epoch, args.epochs):
+        for batch, (data, target) in enumerate(loader):
+            if state.step == args.kill_step and launch_rank == args.kill_rank:
+                print(f"rank {launch_rank} dies at step {state.step} at {time.time():.3f}",
+                      flush=True)
+                if args.kill_how == "sigkill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                os._exit(1)
+            optimizer.zero_grad()
+            F.cross_entropy(model(data), target).backward()
+            optimizer.step()
+            if events["resumed"] is not None:
+                print(f"rank {hvd.rank()}: first step after the repair done at "
+                      f"{time.time():.3f} ({hvd.size()} ranks)", flush=True)
+                events["resumed"] = None
+            state.step += 1
+            sampler.record_batch(batch, args.batch_size)
+            if state.step % args.batches_per_commit == 0:
+                state.commit()
+        accuracy = evaluate()
+        if hvd.rank() == 0:
+            print(f"epoch {state.epoch + 1:2d}  test accuracy {accuracy:.4f}  "
+                  f"({hvd.size()} ranks)", flush=True)
+        sampler.set_epoch(state.epoch + 1)
+        state.commit()
+    return accuracy
+
+
+def on_reset():
+    """A rank was lost: the learning rate follows the new number of ranks, as in Horovod."""
+    for group in optimizer.param_groups:
+        group["lr"] = args.lr * hvd.size()
+    events["resumed"] = time.time()
+    if hvd.rank() == 0:
+        print(f"reset: {hvd.size()} ranks go on (launch rank {launch_rank} is now rank "
+              f"{hvd.rank()})", flush=True)
+
+
+state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, step=0)
+state.register_reset_callbacks([on_reset])
+final = train(state)
+if hvd.rank() == 0:
+    print(f"final test accuracy {final:.4f} on {hvd.size()} ranks", flush=True)

@@ -1,0 +1,62 @@
+"""What each rank of a fault-tolerant job says about its end, for sgprun's exit status.
+
+mpirun reports a non-zero status when a rank that the survivors excluded exited non-zero (a
+crashed worker), even though training completed. Under ``sgprun --fault-tolerant`` every rank
+appends one-line events to its own file in a directory named by ``HVD_SGP_FAULT_RECORD``:
+``started``, ``lost <ranks>`` (written by the survivors' rank 0 after a repair), ``failed``
+(an uncaught exception) and ``finished`` (normal interpreter exit). ``verdict`` reads them back.
+No MPI here: the launcher imports it.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+VARIABLE = "HVD_SGP_FAULT_RECORD"
+
+
+def write(event: str, rank: int, environ: Optional[dict] = None) -> None:
+    """Append ``event`` to rank ``rank``'s file, if the launcher asked for records."""
+    directory = (os.environ if environ is None else environ).get(VARIABLE)
+    if not directory:
+        return
+    try:
+        with open(os.path.join(directory, f"rank{rank}"), "a", encoding="utf-8") as handle:
+            handle.write(event + "\n")
+    except OSError:
+        pass  # a record is a courtesy to the launcher; never fail training over it
+
+
+@dataclass
+class Verdict:
+    """What the records say: the ranks that started, finished, failed, and were lost."""
+
+    started: set = field(default_factory=set)
+    finished: set = field(default_factory=set)
+    failed: set = field(default_factory=set)
+    lost: set = field(default_factory=set)
+
+    @property
+    def completed(self) -> bool:
+        """Training completed: some rank finished, and every rank that did not finish, or
+        failed, is one the survivors excluded."""
+        return (bool(self.finished) and not (self.failed - self.lost)
+                and self.started <= self.finished | self.lost)
+
+
+def verdict(directory: str) -> Verdict:
+    """Read every rank's events from ``directory``."""
+    result = Verdict()
+    for name in sorted(os.listdir(directory)):
+        if not name.startswith("rank") or not name[4:].isdigit():
+            continue
+        rank = int(name[4:])
+        with open(os.path.join(directory, name), encoding="utf-8") as handle:
+            for line in handle:
+                event, _, rest = line.strip().partition(" ")
+                if event == "lost":
+                    result.lost.update(int(r) for r in rest.split(",") if r)
+                elif event in ("started", "finished", "failed"):
+                    getattr(result, event).add(rank)
+    return result

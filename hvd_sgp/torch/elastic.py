@@ -1,0 +1,149 @@
+"""``hvd.elastic`` for PyTorch, as horovod.torch.elastic: ``run``, ``TorchState``,
+``ObjectState`` and ``ElasticSampler``. The run loop and the state logic are the core's
+(hvd_sgp/common/elastic.py); this module only knows how to copy torch objects."""
+from __future__ import annotations
+
+import copy
+import math
+import random
+from typing import Any, Callable, Iterator
+
+import torch
+
+from hvd_sgp.common import elastic as _elastic
+from hvd_sgp.common import runtime
+from hvd_sgp.torch.functions import (broadcast_object, broadcast_optimizer_state,
+                                     broadcast_parameters)
+
+
+def run(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``func(state, ...)`` elastically: after a lost rank (fault-tolerant mode) the
+    survivors repair the world in place and call it again from the recovered, synced state."""
+    return _elastic.run_fn(func)
+
+
+class ObjectState(_elastic.ObjectState):
+    """Plain Python values (keywords, kept as attributes), synced from rank 0."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(broadcast_object, runtime.rank, **kwargs)
+
+
+class ElasticSampler(torch.utils.data.Sampler):
+    """DistributedSampler that re-partitions what is left of the epoch over the ranks after a
+    reset: put it in the TorchState, call ``record_batch`` after each batch and ``set_epoch``
+    at the end of each epoch (as Horovod's)."""
+
+    def __init__(self, dataset, shuffle: bool = True, seed: int = 0):
+        self.dataset = dataset
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.processed_num = 0
+        self.reset()
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.processed_num = 0
+        self.reset()
+
+    def record_batch(self, batch_idx: int, batch_size: int) -> None:
+        """Count a batch as processed on every rank."""
+        self.processed_num += batch_size * self.num_replicas
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "processed_num": self.processed_num}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.epoch = state_dict["epoch"]
+        self.processed_num = state_dict["processed_num"]
+        self.reset()
+
+    def reset(self) -> None:
+        """Re-read the world (after a repair it is smaller) and re-cut what is left."""
+        self.num_replicas = runtime.size()
+        self.rank = runtime.rank()
+        indices = list(range(len(self.dataset)))
+        if self.shuffle:
+            random.Random(self.seed + self.epoch).shuffle(indices)
+        self.remaining_indices = indices[self.processed_num:]
+        self.num_samples = math.ceil(len(self.remaining_indices) / self.num_replicas)
+        self.total_size = self.num_samples * self.num_replicas
+
+    def __iter__(self) -> Iterator[int]:
+        indices = self.remaining_indices[:]
+        indices += indices[:self.total_size - len(indices)]
+        return iter(indices[self.rank:self.total_size:self.num_replicas])
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+class _ModelHandler(_elastic.StateHandler):
+    parameters = True
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__(model)
+        self.save()
+
+    def save(self) -> None:
+        self._saved = copy.deepcopy(self.value.state_dict())
+
+    def restore(self) -> None:
+        self.value.load_state_dict(self._saved)  # copies in place: SGP's buffer views stay
+
+    def sync(self) -> None:
+        broadcast_parameters(self.value.state_dict(), root_rank=0)
+
+
+class _OptimizerHandler(_elastic.StateHandler):
+    parameters = True
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        super().__init__(optimizer)
+        self.save()
+
+    def save(self) -> None:
+        self._saved = copy.deepcopy(self.value.state_dict())
+
+    def restore(self) -> None:
+        self.value.load_state_dict(self._saved)
+
+    def sync(self) -> None:
+        broadcast_optimizer_state(self.value, root_rank=0)
+        _elastic.reset_gossip(self.value)
+
+
+class _StateDictHandler(_elastic.StateHandler):
+    """Anything with state_dict()/load_state_dict(): samplers, learning rate schedulers."""
+
+    def __init__(self, value: Any):
+        super().__init__(value)
+        self.save()
+
+    def save(self) -> None:
+        self._saved = copy.deepcopy(self.value.state_dict())
+
+    def restore(self) -> None:
+        self.value.load_state_dict(self._saved)
+
+    def sync(self) -> None:
+        self.value.load_state_dict(broadcast_object(self.value.state_dict()))
+
+
+HANDLERS = [(torch.nn.Module, _ModelHandler), (torch.optim.Optimizer, _OptimizerHandler),
+            (torch.optim.lr_scheduler.LRScheduler, _StateDictHandler),
+            (ElasticSampler, _StateDictHandler)]
+
+
+class TorchState(_elastic.HandledState):
+    """The state of a PyTorch training: a model, an optimizer and any other keywords (samplers
+    and LR schedulers through their state_dict, the rest as plain attributes)."""
+
+    def __init__(self, model: torch.nn.Module = None, optimizer: torch.optim.Optimizer = None,
+                 **kwargs: Any):
+        kwargs.update(model=model, optimizer=optimizer)
+        super().__init__(HANDLERS, broadcast_object, runtime.rank, **kwargs)
+
+
+__all__ = ["run", "TorchState", "ObjectState", "ElasticSampler"]
