@@ -51,13 +51,23 @@ class CastCompressor(Compressor):
         return cls.cast(tensor, ctx) if ctx is not None else tensor
 
 
+class _Variants(type):
+    """The metaclass of a compressor whose codec takes an optional argument: the class is the
+    default (``Compression.int8``), and calling it names a variant
+    (``Compression.int8("stochastic")``). Horovod never instantiates compressors."""
+
+    def __call__(cls, value):
+        return cls.variant(value)
+
+
 def namespace(doc: str, cast: Callable[[Any, Any], Any], is_floating: Callable[[Any], bool],
               dtypes: Mapping[str, Any]) -> tuple[type, dict[str, type]]:
     """The ``Compression`` class for one framework (``cast``/``is_floating`` on its tensors,
     ``dtypes`` its dtype per numpy dtype name) and the compressor classes by class name.
 
     Each registered codec becomes an attribute: a compressor class, or for a codec that takes
-    an argument (``topk:F``) a function of it returning one.
+    an argument (``topk:F``) a function of it returning one; where the argument is optional
+    (``int8``) the class itself, callable with the argument.
     """
     framework_cast = type("FrameworkCast", (CastCompressor,),
                           {"cast": staticmethod(cast), "is_floating": staticmethod(is_floating)})
@@ -71,7 +81,11 @@ def namespace(doc: str, cast: Callable[[Any, Any], Any], is_floating: Callable[[
     attributes: dict[str, Any] = {"__doc__": doc}
     classes: dict[str, type] = {}
     for name, codec_cls in REGISTRY.items():
-        if codec_cls.argument:
+        if codec_cls.optional:
+            variant = staticmethod(lambda value, c=codec_cls, n=name: compressor(c, f"{n}:{value}"))
+            classes[codec_cls.compressor] = attributes[name] = _Variants(
+                codec_cls.compressor, (Compressor,), {"wire": name, "variant": variant})
+        elif codec_cls.argument:
             attributes[name] = staticmethod(
                 lambda value, c=codec_cls, n=name: compressor(c, f"{n}:{value}"))
         else:
