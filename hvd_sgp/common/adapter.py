@@ -17,7 +17,7 @@ from hvd_sgp.common import runtime
 from hvd_sgp.common.codecs import Codec, codec as make_codec
 from hvd_sgp.common.collectives import ReduceOp
 from hvd_sgp.common.engine import BufferAccess, GossipEngine, StepPlan
-from hvd_sgp.common.errors import NotInitializedError, SgpValueError
+from hvd_sgp.common.errors import NotInitializedError, OptionError, SgpValueError
 
 
 @dataclass(frozen=True)
@@ -46,11 +46,24 @@ def settings(op: Any, compression: Any, sgp: dict, gradient_predivide_factor: fl
     if backward_passes_per_step < 1:
         raise SgpValueError(f"backward_passes_per_step must be >= 1, got "
                             f"{backward_passes_per_step}")
+    return Settings(sgp_options.resolve(**sgp), gossip_codec(compression), op == ReduceOp.Sum)
+
+
+def gossip_codec(compression: Any) -> Codec:
+    """The codec named by Horovod's ``compression=``; where the script asks for none
+    (``Compression.none``, or nothing), ``HVD_SGP_COMPRESSION`` may name one."""
     wire = getattr(compression, "wire", None)
     if wire is None:
         raise SgpValueError(f"compression must be one of hvd.Compression's choices, got "
                             f"{compression!r}")
-    return Settings(sgp_options.resolve(**sgp), make_codec(wire), op == ReduceOp.Sum)
+    if wire != "none":
+        return make_codec(wire)
+    variable = sgp_options.BY_NAME["compression"].env
+    spec = sgp_options.from_environment("compression")
+    try:
+        return make_codec(spec)
+    except OptionError as error:
+        raise OptionError(f"{variable}={spec!r}: {str(error).split(': ', 1)[-1]}") from None
 
 
 class SgpSession:
