@@ -5,20 +5,23 @@ Why: pushing an encoding of the parameters loses a little mass at every step, so
 average drifts away. As in CHOCO-SGD (Koloskova et al., 2019), nodes gossip encoded
 *differences* against public copies that sender and receiver update identically, and move mass
 by those copies with a consensus step gamma. PushSum's column-stochastic weights replace
-CHOCO's symmetric ones. Node i at iteration k, with out-peers j and shares p_ji:
+CHOCO's symmetric ones. Node i at iteration k, with de-biased parameters z_i = x_i / w_i,
+out-peers j and shares p_ji, and s_ji = gamma p_ji w_i (the weight share, an exact float64):
 
-    for each out-peer j:   q = Q(x_i - r_ij)      r_ij = c_ij (error feedback) or x_i at
+    for each out-peer j:   q = Q(z_i - r_ij)      r_ij = c_ij (error feedback) or z_i at
                            c_ij += dec(q)                the last push to j (no feedback)
-    then:                  x_i -= gamma sum_j p_ji c_ij,  w_i -= gamma sum_j p_ji w_i
-    from each in-peer j:   c_ji += dec(q);  x_i += gamma p_ij c_ji;  w_i += gamma p_ij w_j
+    then:                  x_i -= sum_j s_ji c_ij,    w_i -= sum_j s_ji
+    from each in-peer j:   c_ji += dec(q);  x_i += s_ij c_ji;  w_i += s_ij
 
-c_ij is the copy of x_i that node j holds: the sender removes exactly the mass the receiver
-adds, so sum_i x_i and sum_i w_i (plus what is in flight) are invariant for any codec, and
-the de-biased average sum_i x_i / sum_i w_i never drifts. The weight share travels exact as a
-float64. While the copies track the parameters (the codec's error shrinks through error
-feedback) this is PushSum with the matrix (1 - gamma) I + gamma P; with an exact codec and
-gamma = 1 it is PushSum itself. Without error feedback the part of each difference that the
-codec drops is never sent again, and the copies keep that error.
+c_ij is the copy of z_i that node j holds: the sender removes exactly the mass the receiver
+adds (the same float64 share times the same copy), so sum_i x_i and sum_i w_i (plus what is in
+flight) are invariant for any codec, and the de-biased average sum_i x_i / sum_i w_i never
+drifts. The copies follow z, not x: on graphs whose weights move, the numerators oscillate with
+the weights even at consensus, and their differences would never shrink. While the copies track
+z (the codec's error shrinks through error feedback) this is PushSum with the matrix
+(1 - gamma) I + gamma P; with an exact codec and gamma = 1 it is PushSum itself. Without error
+feedback the part of each difference that the codec drops is never sent again, and the copies
+keep that error.
 
 What a node stores. On a time-varying directed graph a node pushes to a different peer each
 iteration, and a peer that did not hear an update cannot apply the next difference; so the
@@ -113,10 +116,8 @@ class ChocoMixer(PushSumMixer):
         phase = self.topology.phase(self.iteration)
         out_peers, in_peers = phase.out_peers[self.node], phase.in_peers(self.node)
         shares = phase.out_weights[self.node]
-        x = self.shard
+        x = self.shard  # z_i until re-biased below
         weight = self.weight
-        if self.track_weight:
-            x *= weight  # the numerator
         sends = []
         began = time.perf_counter()
         for t, (peer, share) in enumerate(zip(out_peers, shares)):
@@ -128,10 +129,13 @@ class ChocoMixer(PushSumMixer):
             sends.append((peer, message))
             self._opened_out.add(peer)
         self.codec_seconds += time.perf_counter() - began
-        for peer, share in zip(out_peers, shares):  # every difference is taken from one x
-            np.multiply(self.sent[peer], self.step * share, out=self._scratch)
+        if self.track_weight:
+            x *= weight  # the numerator
+        for peer, share in zip(out_peers, shares):  # every difference is taken from one z
+            mass = self.step * share * weight
+            np.multiply(self.sent[peer], mass, out=self._scratch)
             x -= self._scratch
-            self._record(1.0, self.step * share, self.sent[peer], self.step * share * weight)
+            self._record(1.0, mass, self.sent[peer])
         if self.track_weight:
             self.buffer[self.n] = weight * (1 - self.step * sum(shares))
         sizes = [HEADER + self._payload(self.codec.exact or peer not in self._opened_in)
@@ -167,38 +171,44 @@ class ChocoMixer(PushSumMixer):
         x = self.shard
         weights = []
         for row, source in zip(received, sources):
-            step, weight, raw = (float(v) for v in row[:HEADER].view(np.float64))
+            _, weight, raw = (float(v) for v in row[:HEADER].view(np.float64))
             began = time.perf_counter()
             payload = row[HEADER:]
             if raw:
-                _store(self.received, source, payload[:self.width * x.itemsize].view(x.dtype))
+                values = payload[:self.width * x.itemsize].view(x.dtype)
+                finite = bool(np.isfinite(values).all())
             else:
-                self.codec.add_to(payload[:self.codec.nbytes(self.width)], self.width,
-                                  self.received[source])
-            self.codec_seconds += time.perf_counter() - began
-            copy = self.received[source]
-            np.multiply(copy, step, out=self._scratch)
-            if not math.isfinite(float(self._scratch.sum())):
+                data = payload[:self.codec.nbytes(self.width)]
+                finite = self.codec.finite(data, self.width)
+            if not (finite and math.isfinite(weight)):
                 raise SgpError(f"received NaN or infinite parameters from "
                                f"{self.transport.peer_name(source)} at iteration "
                                f"{self.iteration}: that rank diverged")
+            if raw:
+                _store(self.received, source, values)
+            else:
+                self.codec.add_to(data, self.width, self.received[source])
+            self.codec_seconds += time.perf_counter() - began
+            copy = self.received[source]
+            np.multiply(copy, weight, out=self._scratch)
             x += self._scratch
             weights.append(weight)
-            self._record(-1.0, step, copy, weight)
+            self._record(-1.0, weight, copy)
         if self.track_weight:
             self._check_weights(weights, sources)
             self.buffer[self.n] += sum(weights)
 
-    def _record(self, sign: float, step: float, copy: np.ndarray, weight: float) -> None:
-        """Mass ledgers for tests: totals in ``audit``, per entry in ``ledger``."""
+    def _record(self, sign: float, weight: float, copy: np.ndarray) -> None:
+        """Mass ledgers for tests (the weight share times the copy, and the share): totals in
+        ``audit``, per entry in ``ledger``."""
         if self.audit is not None:
-            mass = np.array([step * float(copy.sum(dtype=np.float64)), weight])
+            mass = np.array([weight * float(copy.sum(dtype=np.float64)), weight])
             if sign > 0:
                 self.audit.sent += mass
             else:
                 self.audit.received += mass
         if self.ledger is not None:
-            self.ledger[:-1] += sign * step * copy
+            self.ledger[:-1] += sign * weight * copy
             self.ledger[-1] += sign * weight
 
     # --- checkpoints ----------------------------------------------------------------------
