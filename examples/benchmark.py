@@ -57,6 +57,10 @@ MODES = {
                                              "max_delay": 1}),
     "osgp2": Mode("OSGP tau=2", "hvd_sgp", {"mode": "sgp", "peers": 1, "overlap": True,
                                              "max_delay": 2}),
+    "sgp1-int8": Mode("SGP 1-peer, int8", "hvd_sgp", {"mode": "sgp", "peers": 1,
+                                                       "compression": "int8"}),
+    "sgp1-topk1": Mode("SGP 1-peer, top-k 1%", "hvd_sgp", {"mode": "sgp", "peers": 1,
+                                                           "compression": "topk:0.01"}),
 }
 ALLREDUCES = ("allreduce", "allreduce-ring", "ddp", "horovod")
 
@@ -93,7 +97,11 @@ class Comm:
         self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         if self.kind == "plain":
             return model, optimizer
-        extra = mode.sgp if self.kind == "hvd_sgp" else {}
+        extra = dict(mode.sgp) if self.kind == "hvd_sgp" else {}
+        if "compression" in extra:  # a codec spec, name or name:ARG, as HVD_SGP_COMPRESSION
+            name, _, arg = extra["compression"].partition(":")
+            chosen = getattr(self.hvd.Compression, name)
+            extra["compression"] = chosen(arg) if arg else chosen
         return model, self.hvd.DistributedOptimizer(
             optimizer, named_parameters=model.named_parameters(), **extra)
 
@@ -126,6 +134,7 @@ def throughput(comm: Comm, mode: Mode, args) -> dict:
     comm.minimum(0.0)
     tx0 = bm.tx_bytes(args.iface) if args.iface else None
     sent0 = optimizer.metrics()["bytes_sent"] if hasattr(optimizer, "metrics") else None
+    codec0 = optimizer.metrics().get("codec_seconds", 0.0) if sent0 is not None else 0.0
     times = []
     for _ in range(args.iters):
         began = time.perf_counter()
@@ -139,6 +148,8 @@ def throughput(comm: Comm, mode: Mode, args) -> dict:
         metrics = optimizer.metrics()
         result["sent_per_iter"] = (metrics["bytes_sent"] - sent0) / args.iters
         result["wait_seconds"] = metrics["total_wait_seconds"]
+        result["codec_seconds_per_iter"] = (metrics.get("codec_seconds", 0.0)
+                                            - codec0) / args.iters
     comm.close(optimizer)
     return result
 
@@ -279,6 +290,9 @@ def summarize_throughput(raw: dict, link_rate: float | None) -> list[dict]:
                 row["extra_model_copies"] = (peak - base_rss) / model_bytes
             if reference and name != "plain":
                 row["vs_allreduce"] = sec / max(r["median"] for r in reference)
+            codec = [r["codec_seconds_per_iter"] for r in ranks if "codec_seconds_per_iter" in r]
+            if codec and max(codec) > 0:
+                row["codec_sec_per_iter"] = max(codec)
             rows.append(row)
     return rows
 
