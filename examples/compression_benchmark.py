@@ -295,8 +295,12 @@ def plot(report: dict, folder: Path, logs: list[Path]) -> None:
 
 
 def drive(args) -> dict:
+    """Run the variants (one launch each with --separate) and return the report; with
+    --separate the report so far is written after every launch, so a run cut short keeps
+    what it measured."""
     runs, failures, logs = [], [], []
-    keys = list(args.variants) + [f"{name}:osgp2" for name in args.overlap_variants]
+    keys = args.keys or (list(args.variants) + [f"{name}:osgp2"
+                                                for name in args.overlap_variants])
     folder = Path(args.logs)
     folder.mkdir(parents=True, exist_ok=True)
     for group in ([[k] for k in keys] if args.separate else [keys]):
@@ -314,6 +318,12 @@ def drive(args) -> dict:
             logs.append(log)
         runs.extend(done)
         print(f"{', '.join(group)}: {time.perf_counter() - began:.0f} s", flush=True)
+        if args.separate:
+            write_report(report_of(args, runs, failures, logs), args, plots=False)
+    return report_of(args, runs, failures, logs)
+
+
+def report_of(args, runs: list[dict], failures: list[str], logs: list[Path]) -> dict:
     rows = []
     for overlap in (False, True):
         chosen = [r for r in runs if r["overlap"] == overlap]
@@ -338,6 +348,8 @@ def parse(argv=None):
     p.add_argument("--overlap-variants", nargs="*", choices=list(VARIANTS),
                    default=["fp32", "int8", "topk10", "topk10-noef", "topk1", "topk1-noef",
                             "randomk10", "randomk10-noef", "slowmo"])
+    p.add_argument("--keys", nargs="*", default=[], metavar="NAME[:osgp2]",
+                   help="run these, in this order (instead of the two lists)")
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=0.05)
@@ -375,15 +387,20 @@ def main(argv=None) -> int:
         report = drive(args)
     report["codec_cost"] = codec_cost(args.cost_parameters)
     report["cost_parameters"] = args.cost_parameters
+    print(write_report(report, args, plots=True))
+    return 1 if report["failures"] else 0
+
+
+def write_report(report: dict, args, plots: bool) -> str:
+    """JSON, the markdown tables and (``plots``) the figures; returns the markdown."""
     for path in (Path(args.out).parent, Path(args.markdown).parent, Path(args.plots)):
         path.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
     text = markdown(report)
     write_markdown(Path(args.markdown), text)
-    if report["rows"]:
+    if plots and report["rows"]:
         plot(report, Path(args.plots), [Path(p) for p in report["logs"]])
-    print(text)
-    return 1 if report["failures"] else 0
+    return text
 
 
 if __name__ == "__main__":
