@@ -38,6 +38,41 @@ class PayloadMLP(torch.nn.Module):
         return sum(p.numel() * p.element_size() for p in self.parameters())
 
 
+class DeepMLP(torch.nn.Module):
+    """``layers`` Linear layers (64 -> w, w -> w ..., w -> 10) whose width w makes about
+    ``parameters`` in all: many tensors of real compute, as a model whose gradients arrive
+    one tensor at a time (the 16-layer default gives ResNet-50's 25.6M in 32 tensors)."""
+
+    def __init__(self, parameters: int, layers: int = 16, features: int = 64,
+                 classes: int = 10):
+        super().__init__()
+        if layers < 2:
+            raise ValueError(f"DeepMLP needs at least 2 layers, got {layers}")
+        # (layers - 2) w^2 + (features + classes + layers - 1) w + classes = parameters
+        a, b = layers - 2, features + classes + layers - 1
+        width = (max(1, round((parameters - classes) / b)) if a == 0 else
+                 max(1, round((-b + (b * b + 4 * a * (parameters - classes)) ** 0.5) / (2 * a))))
+        sizes = [features] + [width] * (layers - 1) + [classes]
+        blocks = []
+        for i, (m, n) in enumerate(zip(sizes, sizes[1:])):
+            blocks.append(torch.nn.Linear(m, n))
+            if i < layers - 1:
+                blocks.append(torch.nn.ReLU())
+        self.net = torch.nn.Sequential(*blocks)
+
+    def forward(self, x: torch.Tensor):
+        """Logits, and a zero penalty (the same interface as PayloadMLP)."""
+        return self.net(x), 0.0
+
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+
+def make_model(parameters: int, hidden: int = 256, layers: int = 0) -> torch.nn.Module:
+    """A DeepMLP of ``layers`` layers, or (layers = 0) a PayloadMLP."""
+    return DeepMLP(parameters, layers) if layers else PayloadMLP(parameters, hidden)
+
+
 def synthetic_batch(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A fixed random batch: the throughput runs measure time, not learning."""
     g = torch.Generator().manual_seed(seed)
@@ -74,6 +109,23 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torc
 def peak_rss_bytes() -> int:
     """This process's peak resident set (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def scheduler_seconds() -> tuple[float, float]:
+    """Seconds this process's threads have run on a CPU and waited runnable for one (Linux
+    /proc/self/task/*/schedstat): run + wait over a wall interval is the share of a core the
+    process asked for, whether or not other load let it run (a spinning or sched_yield-ing
+    wait asks for a whole core; a sleeping one for almost nothing)."""
+    import os
+    run = wait = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/schedstat") as f:
+                fields = f.read().split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        run, wait = run + int(fields[0]), wait + int(fields[1])
+    return run / 1e9, wait / 1e9
 
 
 def tx_bytes(interface: str) -> int:

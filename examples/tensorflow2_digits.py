@@ -2,6 +2,10 @@
 written as a Horovod script: the only change from its Horovod form is the import line.
 
     mpirun -np 4 -x HVD_SGP_LOCAL_SIZE=1 python examples/tensorflow2_digits.py --epochs 12
+    TF_USE_LEGACY_KERAS=1 mpirun -np 4 -x HVD_SGP_LOCAL_SIZE=1 -x TF_USE_LEGACY_KERAS \
+        python examples/tensorflow2_digits.py
+
+The second runs it on tf_keras (legacy Keras 2), as old Horovod scripts run on TF 2.16+.
 """
 import argparse
 

@@ -81,3 +81,25 @@ def test_benchmark_tiny(tmp_path):
     assert "| 2 | SGP 1-peer |" in (tmp_path / "bench.md").read_text()
     for png in ("bench_sec_per_iter.png", "bench_time_to_accuracy.png"):
         assert (tmp_path / png).stat().st_size > 1000
+
+
+def test_benchmark_local_tiny(tmp_path):
+    """--local runs every path beside its raw reference and writes the table (figures are
+    not checked: the benchmark is a benchmark)."""
+    out, md = tmp_path / "local.json", tmp_path / "bench.md"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "benchmark.py"), "--local", "--tiny", "--out",
+         str(out), "--markdown", str(md), "--plots", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = {r["mode"]: r for r in report["throughput"]}
+    assert set(rows) == {"plain", "raw-allreduce", "node", "raw-sendrecv", "sgp1-gossip",
+                         "osgp1-gossip"}
+    assert rows["node"]["reference"] == "raw-allreduce"
+    assert rows["sgp1-gossip"]["reference"] == "raw-sendrecv"
+    assert all(r["vs_reference"]["median"] > 0 for r in rows.values() if "reference" in r)
+    assert all(r["sec_per_iter"] > 0 and r["peak_rss"] > 0 for r in rows.values())
+    assert set(rows["sgp1-gossip"]["idle"]) == {"step", "collective"}
+    text = md.read_text()
+    assert "<!-- local results start -->" in text and "| 2 | raw MPI Allreduce + SGD |" in text

@@ -278,6 +278,268 @@ def test_signals_map_to_128_plus_n():
     assert [launch.exit_status(code) for code in (0, 3, -9, -15)] == [0, 3, 137, 143]
 
 
+# ---------------------------------------------------------------- every horovodrun flag
+
+HOROVOD_FLAGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                             "horovod_names_0.28.1.tsv")
+# The fault-tolerance launcher declares these (min/max processes, discovery, elastic timing).
+ELASTIC = {"--min-np", "--min-num-proc", "--max-np", "--max-num-proc", "--elastic-timeout",
+           "--reset-limit", "--blacklist-cooldown-range", "--host-discovery-script"}
+# A value horovodrun accepts for each flag that takes one.
+SAMPLE = {"-np": "2", "--num-proc": "2", "--start-timeout": "30", "--network-interfaces": "eth0",
+          "--network-interface": "eth0", "--output-filename": "out/r", "--config-file": None,
+          "-p": "22", "--ssh-port": "22", "-i": "key", "--ssh-identity-file": "key",
+          "--fusion-threshold-mb": "64", "--cycle-time-ms": "2.5", "--cache-capacity": "1024",
+          "--autotune-log-file": "t.csv", "--autotune-warmup-samples": "3",
+          "--autotune-steps-per-sample": "10", "--autotune-bayes-opt-max-samples": "20",
+          "--autotune-gaussian-process-noise": "0.8", "--slots-per-host": "4",
+          "--timeline-filename": "tl.json", "--stall-check-warning-time-seconds": "60",
+          "--stall-check-shutdown-time-seconds": "120", "--mpi-args": "--mca x y",
+          "--binding-args": "--bind-to core", "--num-nccl-streams": "2", "--thread-affinity": "0",
+          "--gloo-timeout-seconds": "30", "--log-level": "INFO", "-H": "localhost:2",
+          "--hosts": "localhost:2", "-hostfile": None, "--hostfile": None}
+
+
+def horovodrun_spellings() -> list[str]:
+    with open(HOROVOD_FLAGS, encoding="utf-8") as handle:
+        rows = [line.split("\t") for line in handle if line.startswith("horovodrun\t")]
+    return [spelling for row in rows for spelling in row[1].split()]
+
+
+def test_the_sample_covers_horovodrun_0_28_1():
+    spellings = horovodrun_spellings()
+    assert len(spellings) == 71 and "--binding-args" in spellings
+    takes_value = {s for s in spellings if s in SAMPLE}
+    assert set(SAMPLE) == takes_value
+
+
+@pytest.mark.parametrize("spelling", [s for s in horovodrun_spellings()
+                                      if s not in ELASTIC | {"-v", "--version"}])
+def test_sgprun_accepts_every_horovodrun_flag(spelling, tmp_path):
+    argv = ["-np", "2", spelling] if spelling not in ("-np", "--num-proc") else [spelling]
+    if spelling in SAMPLE:
+        value = SAMPLE[spelling]
+        if value is None:  # a file horovodrun reads
+            path = tmp_path / "file"
+            path.write_text("localhost slots=2\n" if "host" in spelling else "")
+            value = str(path)
+        argv.append(value)
+    if spelling == "--config-file":
+        pytest.importorskip("yaml")
+    args = launch.parse_args([*argv, "python", "train.py"])
+    assert args.command == ["python", "train.py"]
+
+
+def test_horovodrun_version_flag(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        launch.parse_args(["--version"])
+    assert exit_info.value.code == 0 and "hvd_sgp" in capsys.readouterr().out
+
+
+def test_each_flag_is_declared_once_with_a_known_status():
+    from hvd_sgp.runner import horovod_flags
+
+    spellings = [s for f in horovod_flags.FLAGS for s in f.spellings + f.off]
+    assert len(spellings) == len(set(spellings))
+    assert {f.status for f in horovod_flags.FLAGS} == {"same", "differs", "ignored", "refused"}
+    assert all(f.note for f in horovod_flags.FLAGS)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--gloo", "--mpi"],  # one controller, as in horovodrun
+    ["--hierarchical-allreduce", "--no-hierarchical-allreduce"],
+    ["--log-without-timestamp", "-prefix-timestamp"],
+    ["--fusion-threshold-mb", "-1"],
+    ["--cycle-time-ms", "fast"],
+    ["--autotune-gaussian-process-noise", "1.5"],
+    ["--stall-check-warning-time-seconds", "0"],
+    ["--stall-check-shutdown-time-seconds", "soon"],
+    ["--num-nccl-streams", "x"],
+])
+def test_bad_horovodrun_values_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        launch.parse_args(["-np", "2", *argv, "python"])
+    assert exit_info.value.code == 2
+    assert "sgprun: error:" in capsys.readouterr().err
+
+
+def test_stall_check_flags_reach_the_collectives():
+    args = launch.parse_args(["-np", "2", "--no-stall-check", "--stall-check-warning-time-seconds",
+                              "30", "--stall-check-shutdown-time-seconds", "90", "x"])
+    env = launch.job_environment(args, BASE_ENV, OPEN_MPI_5)
+    assert (env["HOROVOD_STALL_CHECK_DISABLE"], env["HOROVOD_STALL_CHECK_TIME_SECONDS"],
+            env["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"]) == ("1", "30", "90")
+    assert env["HVD_SGP_TIMEOUT"] == "90.0"  # the shutdown time bounds every wait
+    on = launch.job_environment(launch.parse_args(["-np", "2", "--stall-check", "x"]),
+                                BASE_ENV, OPEN_MPI_5)
+    assert on["HOROVOD_STALL_CHECK_DISABLE"] == "0" and "HVD_SGP_TIMEOUT" not in on
+
+
+@pytest.mark.parametrize("argv, env, timeout", [
+    (["--stall-check-shutdown-time-seconds", "90", "--timeout", "20"], {}, "20.0"),  # flag wins
+    (["--stall-check-shutdown-time-seconds", "90"], {"HVD_SGP_TIMEOUT": "7"}, "7"),  # so does env
+    (["--stall-check-shutdown-time-seconds", "0"], {}, None),  # 0: Horovod never shuts down
+    (["--stall-check-shutdown-time-seconds", "50"], {}, None),  # not past the 60 s warning
+    (["--stall-check-warning-time-seconds", "10", "--stall-check-shutdown-time-seconds", "50"],
+     {}, "50.0"),
+])
+def test_stall_shutdown_sets_the_deadline_only_when_none_is_given(argv, env, timeout):
+    args = launch.parse_args(["-np", "2", *argv, "x"])
+    job = launch.job_environment(args, {**BASE_ENV, **env}, OPEN_MPI_5)
+    assert job.get("HVD_SGP_TIMEOUT") == timeout
+
+
+def test_timeline_tcp_and_interfaces_like_horovodrun():
+    cmd = command(["-np", "2", "--timeline-filename", "tl.json", "--timeline-mark-cycles",
+                   "--tcp", "--network-interface", "eth0", "--network-interfaces", "eth1,eth0",
+                   "x"])
+    exported = {cmd[i + 1] for i, word in enumerate(cmd) if word == "-x"}
+    assert {"HVD_SGP_TIMELINE", "HOROVOD_TIMELINE_MARK_CYCLES", "NCCL_IB_DISABLE",
+            "NCCL_SOCKET_IFNAME"} <= exported
+    text = " ".join(cmd)
+    assert "--mca btl_tcp_if_include eth0,eth1" in text
+    assert "--mca pml ob1 --mca btl self,sm,tcp" in text
+    open_mpi_4 = Site("/m", "openmpi", 4, 4, 1000)
+    assert "btl self,vader,tcp" in " ".join(command(["-np", "2", "--tcp", "x"], open_mpi_4))
+    args = launch.parse_args(["-np", "2", "--no-timeline-mark-cycles", "--tcp", "x"])
+    env = launch.job_environment(args, BASE_ENV, OPEN_MPI_5)
+    assert env["HOROVOD_TIMELINE_MARK_CYCLES"] == "0" and env["NCCL_IB_DISABLE"] == "1"
+
+
+def test_binding_ssh_identity_and_timestamps_reach_the_launcher():
+    cmd = command(["-np", "2", "--binding-args=--bind-to core --map-by socket", "-p", "2222",
+                   "-i", "/keys/id rsa", "-prefix-timestamp", "x"])
+    assert cmd[1:7] == ["-np", "2", "--bind-to", "core", "--map-by", "socket"]
+    assert "none" not in cmd
+    assert flag_value(cmd, "plm_ssh_args") == "-p 2222 -i '/keys/id rsa'"
+    assert flag_value(cmd, "--output") == "timestamp"
+    open_mpi_4 = Site("/m", "openmpi", 4, 4, 1000)
+    assert "--timestamp-output" in command(["-np", "2", "-prefix-timestamp", "x"], open_mpi_4)
+    hydra = command(["-np", "2", "--binding-args", "-bind-to core", "x"], HYDRA)
+    assert hydra[1:5] == ["-n", "2", "-bind-to", "core"]
+
+
+@pytest.mark.parametrize("argv, site", [
+    (["-i", "key"], HYDRA), (["-prefix-timestamp"], HYDRA),
+    (["-i", "key"], SRUN), (["--prefix-output-with-timestamp"], SRUN),
+    (["--binding-args", "--bind-to core"], SRUN),
+])
+def test_flags_only_open_mpi_honours_are_refused_elsewhere(argv, site):
+    with pytest.raises(LaunchError):
+        command(["-np", "2", *argv, "x"], site)
+
+
+@pytest.mark.parametrize("flag", ["--gloo", "--jsrun"])
+def test_gloo_and_jsrun_are_refused_with_the_reason(flag, capsys):
+    assert launch.main(["-np", "2", flag, "python", "-c", "pass"]) == 2
+    from hvd_sgp.runner import horovod_flags
+
+    err = capsys.readouterr().err
+    assert f"sgprun: error: {flag}: {horovod_flags.BY_DEST[flag[2:]].note}" in err
+
+
+def test_mpi_and_disable_cache_change_nothing():
+    plain = command(["-np", "2", "x"])
+    assert command(["-np", "2", "--mpi", "--disable-cache", "--verbose", "x"]) == plain
+
+
+def test_ignored_flags_are_named_in_one_warning_line():
+    from hvd_sgp.runner import horovod_flags
+
+    args = launch.parse_args(["-np", "2", "--fusion-threshold-mb", "32", "--no-autotune",
+                              "--cycle-time-ms", "5", "--log-hide-timestamp", "--stall-check",
+                              "x"])
+    line = horovod_flags.warning(args)
+    assert "\n" not in line and line.startswith("sgprun: warning: ")
+    for spelled in ("--fusion-threshold-mb", "--no-autotune", "--cycle-time-ms",
+                    "--log-hide-timestamp"):
+        assert spelled in line
+    assert "--stall-check" not in line  # mapped, not ignored
+    assert horovod_flags.warning(launch.parse_args(["-np", "2", "--tcp", "x"])) is None
+    # Ignored flags set no variable: nothing reads them.
+    env = launch.job_environment(args, BASE_ENV, OPEN_MPI_5)
+    assert not {"HOROVOD_FUSION_THRESHOLD", "HOROVOD_AUTOTUNE", "HOROVOD_CYCLE_TIME"} & (
+        set(env) - set(BASE_ENV))
+
+
+CONFIG = """
+params:
+  fusion_threshold_mb: 32
+  hierarchical_allreduce: false
+autotune:
+  enabled: true
+  warmup_samples: 5
+timeline:
+  filename: from_config.json
+  mark_cycles: true
+stall_check:
+  enabled: false
+  warning_time_seconds: 40
+  shutdown_time_seconds: 100
+library_options:
+  num_nccl_streams: 2
+logging:
+  level: DEBUG
+  with_timestamp: true
+"""
+
+
+def test_config_file_is_read_as_horovodrun_reads_it(tmp_path):
+    pytest.importorskip("yaml")
+    path = tmp_path / "config.yaml"
+    path.write_text(CONFIG)
+    args = launch.parse_args(["-np", "2", "--config-file", str(path),
+                              "--stall-check-warning-time-seconds", "25", "x"])
+    assert args.stall_check_warning_time_seconds == 25  # the command line wins
+    assert (args.fusion_threshold_mb, args.hierarchical_allreduce, args.autotune) == (32, False,
+                                                                                      True)
+    assert (args.timeline_filename, args.timeline_mark_cycles) == ("from_config.json", True)
+    assert (args.stall_check, args.stall_check_shutdown_time_seconds) == (False, 100)
+    assert (args.log_level, args.log_with_timestamp, args.num_nccl_streams) == ("DEBUG", True, 2)
+    env = launch.job_environment(args, BASE_ENV, OPEN_MPI_5)
+    assert (env["HVD_SGP_TIMELINE"], env["HOROVOD_STALL_CHECK_DISABLE"],
+            env["HOROVOD_STALL_CHECK_TIME_SECONDS"], env["HVD_SGP_TIMEOUT"]) == (
+        "from_config.json", "1", "25", "100.0")
+    from hvd_sgp.runner import horovod_flags
+
+    line = horovod_flags.warning(args, args.config_unknown)
+    assert "params.fusion_threshold_mb (config file)" in line and "autotune.enabled" in line
+
+
+@pytest.mark.parametrize("text", ["params:\n  fusion_threshold_mb: -5\n",
+                                  "stall_check:\n  enabled: maybe\n",
+                                  "controller: ucx\n", "- a list\n", "params: [unclosed\n"])
+def test_bad_config_files_exit_2(tmp_path, text, capsys):
+    pytest.importorskip("yaml")
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as exit_info:
+        launch.parse_args(["-np", "2", "--config-file", str(path), "x"])
+    assert exit_info.value.code == 2
+    assert "--config-file" in capsys.readouterr().err
+
+
+def test_config_controller_and_unknown_keys(tmp_path):
+    pytest.importorskip("yaml")
+    path = tmp_path / "config.yaml"
+    path.write_text("controller: gloo\nparams:\n  fusion_treshold_mb: 1\nextra: 1\n")
+    args = launch.parse_args(["-np", "2", "--config-file", str(path), "x"])
+    assert args.gloo and args.config_unknown == ["params.fusion_treshold_mb", "extra"]
+    with pytest.raises(LaunchError, match="MPI"):
+        launch.validate(args)
+    mpi = launch.parse_args(["-np", "2", "--mpi", "--config-file", str(path), "x"])
+    assert mpi.mpi and not mpi.gloo  # the command line's controller wins
+
+
+def test_config_file_without_pyyaml_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "yaml", None)  # import yaml raises ImportError
+    path = tmp_path / "config.yaml"
+    path.write_text("params: {}\n")
+    with pytest.raises(SystemExit):
+        launch.parse_args(["-np", "2", "--config-file", str(path), "x"])
+    assert "needs PyYAML" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- real launches
 
 SGPRUN = os.path.join(os.path.dirname(sys.executable), "sgprun")
@@ -342,3 +604,41 @@ def test_check_build_reports_mpi_and_frameworks():
     for forced, mark in (("1", "[X]"), ("0", "[ ]")):  # the override beats MPI's answer
         forced_out = run_sgprun(["--check-build"], extra_env={"HVD_SGP_CUDA_AWARE": forced})
         assert f"{mark} CUDA-aware MPI" in forced_out.stdout, forced_out.stdout
+
+
+HOROVOD_PROBE = textwrap.dedent("""
+    import os
+    from hvd_sgp.common import runtime
+    runtime.init()
+    names = ("HOROVOD_STALL_CHECK_DISABLE", "HOROVOD_STALL_CHECK_TIME_SECONDS",
+             "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "HOROVOD_TIMELINE_MARK_CYCLES",
+             "HVD_SGP_TIMELINE", "HVD_SGP_TIMEOUT", "NCCL_IB_DISABLE")
+    print(f"rank {runtime.rank()}:", " ".join(f"{n}={os.environ.get(n)}" for n in names),
+          flush=True)
+""")
+
+
+def test_sgprun_launches_a_horovodrun_command_line(tmp_path):
+    """A horovodrun command with mapped, no-op and ignored flags starts 2 ranks over TCP, with
+    the mapped variables on every rank and one warning line naming the ignored flags."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(HOROVOD_PROBE)
+    result = run_sgprun(["-np", "2", "--mpi", "--tcp", "--disable-cache", "--verbose",
+                         "--binding-args=--bind-to none --map-by slot",
+                         "--fusion-threshold-mb", "32", "--autotune", "--cycle-time-ms", "1",
+                         "--no-stall-check", "--stall-check-warning-time-seconds", "30",
+                         "--stall-check-shutdown-time-seconds", "90",
+                         "--timeline-filename", str(tmp_path / "tl.json"),
+                         "--timeline-mark-cycles", "-prefix-timestamp",
+                         sys.executable, str(probe)])
+    assert result.returncode == 0, result.stderr
+    expected = (f"HOROVOD_STALL_CHECK_DISABLE=1 HOROVOD_STALL_CHECK_TIME_SECONDS=30 "
+                f"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=90 HOROVOD_TIMELINE_MARK_CYCLES=1 "
+                f"HVD_SGP_TIMELINE={tmp_path / 'tl.json'} HVD_SGP_TIMEOUT=90.0 NCCL_IB_DISABLE=1")
+    lines = [line for line in result.stdout.splitlines() if "rank " in line]
+    assert sorted(line.split("rank ", 1)[1] for line in lines) == [f"0: {expected}",
+                                                                   f"1: {expected}"]
+    assert all(line.startswith("[") for line in lines)  # -prefix-timestamp: Open MPI's stamp
+    warnings = [line for line in result.stderr.splitlines() if "warning" in line]
+    assert warnings == ["sgprun: warning: ignored, no meaning under SGP: --fusion-threshold-mb, "
+                        "--cycle-time-ms, --autotune (see docs/horovod_compatibility.md)"]

@@ -13,6 +13,7 @@ def test_timeline_metrics_and_plot(tmp_path):
         env = {"HVD_SGP_METRICS": str(log), "HVD_SGP_METRICS_EVERY": "5"}
         if topology == "exponential":
             env["HOROVOD_TIMELINE"] = str(timeline)  # Horovod's variable works too
+            env["HOROVOD_TIMELINE_MARK_CYCLES"] = "1"  # sgprun --timeline-mark-cycles
         out = run_mpi(3, "telemetry_checks.py", topology, env=env).stdout
         assert "all telemetry checks passed on 3 ranks" in out
         logs.append(str(log))
@@ -21,6 +22,8 @@ def test_timeline_metrics_and_plot(tmp_path):
     names = {e["name"] for e in trace}
     assert {"compute", "send/receive", "wait", "process_name"} <= names
     assert not list(tmp_path.glob("timeline.json.rank*"))  # merged and removed
+    marks = [(e["pid"], e["args"]["step"]) for e in trace if e["name"] == "CYCLE_START"]
+    assert sorted(marks) == [(rank, step) for rank in range(3) for step in range(1, 41)]
     records = [json.loads(line) for line in open(logs[1])]
     assert [r["step"] for r in records] == list(range(5, 41, 5))
     assert all(len(r["deviation"]) == 3 and r["label"].startswith("sgp ring") for r in records)

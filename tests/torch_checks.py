@@ -4,7 +4,6 @@ Each check prints "ok <name>" on rank 0; a failure raises and ends the job non-z
 """
 import copy
 import math
-import sys
 import warnings
 
 import torch
@@ -403,6 +402,87 @@ def check_schedule_on_every_placement():
     assert torch.allclose(models["staged", schedule], models["view", schedule], rtol=0,
                           atol=1e-6)
     checks.ok("a schedule into AllReduce averages the model on the view and staged placements")
+
+
+@checks
+def check_mixed_precision():
+    """torch.amp with node 0 overflowing at step 2, in Horovod's recipe (synchronize,
+    unscale_, skip_synchronize + scaler.step: only rank 0 overflows, the in-node average
+    spreads it) and with a plain scaler.step (every rank of node 0 overflows: the check then
+    sees only local gradients): node 0 skips its local update but still gossips, so nobody
+    waits for it; its loss scale halves on every one of its ranks; the others keep theirs."""
+    for recipe in ("horovod", "plain"):
+        overflowing = me == 0 if recipe == "horovod" else hvd.cross_rank() == 0
+        model = mlp(80 + hvd.cross_rank())
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+        gen = torch.Generator().manual_seed(81 + me)
+        for step in range(5):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(torch.randn(8, 4, generator=gen)),
+                                                torch.randn(8, 1, generator=gen))
+            if step == 2 and overflowing:
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            if recipe == "horovod":
+                opt.synchronize()
+                scaler.unscale_(opt)
+                with opt.skip_synchronize():
+                    scaler.step(opt)
+            else:
+                scaler.step(opt)
+            scaler.update()
+        assert opt.metrics()["iteration"] == 5, (recipe, opt.metrics())
+        assert torch.isfinite(flat(model)).all(), recipe
+        scales = hvd.allgather_object((hvd.cross_rank(), scaler.get_scale()))
+        for node, scale in scales:
+            assert scale == (2.0 ** 15 if node == 0 else 2.0 ** 16), (recipe, scales)
+    return "GradScaler: an overflowing node skips its update, gossips on, scale agreed in-node"
+
+
+@checks
+def check_batchnorm_statistics():
+    """BatchNorm running statistics are not parameters, so SGP does not mix them;
+    average_parameters(model) averages them exactly with the parameters."""
+    torch.manual_seed(95)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6),
+                                torch.nn.Linear(6, 1))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+    train_steps(opt, model, 3, seed=96)
+    bn = model[1]
+    mean = hvd.allreduce(bn.running_mean)
+    var = hvd.allreduce(bn.running_var)
+    opt.average_parameters(model)
+    assert torch.allclose(bn.running_mean, mean, atol=1e-6)
+    assert torch.allclose(bn.running_var, var, atol=1e-6)
+    assert torch.equal(flat(model), hvd.broadcast(flat(model), 0))
+    return "average_parameters(model) averages BatchNorm running statistics too"
+
+
+@checks
+def check_sparse_gradients():
+    """Embedding(sparse=True) gradients: averaged where they must be (mode='allreduce' here,
+    and in-node with several ranks per node), handed back sparse to SGD or dense to Adam with
+    sparse_as_dense=True; the model equals the same run with a dense embedding."""
+    def run(sparse, optimizer, **kwargs):
+        torch.manual_seed(90)
+        model = torch.nn.Sequential(torch.nn.EmbeddingBag(20, 4, mode="sum", sparse=sparse),
+                                    torch.nn.Linear(4, 1))
+        opt = hvd.DistributedOptimizer(optimizer(model.parameters()), mode="allreduce",
+                                       **kwargs)
+        gen = torch.Generator().manual_seed(91 + me)
+        for _ in range(4):
+            opt.zero_grad()
+            words = torch.randint(0, 20, (6, 3), generator=gen)
+            torch.nn.functional.mse_loss(model(words), torch.randn(6, 1, generator=gen)).backward()
+            opt.step()
+        return flat(model)
+
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    adam = lambda params: torch.optim.Adam(params, lr=0.01)  # noqa: E731
+    assert torch.allclose(run(True, sgd), run(False, sgd), atol=1e-6)
+    assert torch.allclose(run(True, adam, sparse_as_dense=True), run(False, adam), atol=1e-6)
+    return "sparse gradients averaged and handed back sparse, or dense with sparse_as_dense"
 
 
 @checks.when(hvd.local_size() > 1)

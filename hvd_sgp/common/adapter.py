@@ -12,8 +12,10 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+import numpy as np
+
 from hvd_sgp.common import options as sgp_options
-from hvd_sgp.common import runtime
+from hvd_sgp.common import collectives, runtime
 from hvd_sgp.common.codecs import Codec, codec as make_codec
 from hvd_sgp.common.collectives import ReduceOp
 from hvd_sgp.common.engine import BufferAccess, GossipEngine, StepPlan
@@ -106,13 +108,15 @@ class SgpSession:
     def begin_step(self, optimizer_state: Callable[[], Sequence] = tuple) -> StepPlan:
         return self.engine.begin_step(optimizer_state)
 
-    @property
-    def gradient_scale(self) -> float:
-        """Factor on the averaged gradients: Horovod's op=Sum is n times the average."""
-        return float(runtime.size()) if self.settings.sum_gradients else 1.0
+    def gradient_scale(self, plan: Optional[StepPlan] = None) -> float:
+        """The factor on this rank's gradients before ``reduce_gradients`` sums them over
+        ``plan.ranks`` (or, without a reduction, the factor on them in place): 1 / ranks makes
+        the sum an average, and Horovod's op=Sum is n times the average."""
+        total = float(runtime.size()) if self.settings.sum_gradients else 1.0
+        return total / (plan.ranks if plan is not None else 1)
 
-    def reduce_gradients(self, grads) -> None:
-        self.engine.reduce_gradients(grads)
+    def reduce_gradients(self, grads, sum_in_node: Optional[Callable] = None) -> None:
+        self.engine.reduce_gradients(grads, sum_in_node)
 
     def end_step(self, lr: float = 0.0) -> None:
         self.engine.end_step(float(lr))
@@ -169,10 +173,19 @@ class GossipMethods:
         see them. Call it on every rank."""
         self._sgp_session().drain()
 
-    def average_parameters(self) -> None:
+    def average_parameters(self, model: Any = None) -> None:
         """Exact consensus: every rank gets the network average (for evaluation or saving).
-        Call it on every rank."""
+        With ``model``, its floating-point state outside the parameters (BatchNorm running
+        means and variances) is averaged exactly too: SGP never mixes it. Call it on every
+        rank."""
         self._sgp_session().average_parameters()
+        if model is not None:
+            self._sgp_average_statistics(model)
+
+    def _sgp_average_statistics(self, model: Any) -> None:
+        """Replace the model's floating-point state outside the parameters by its exact
+        average over all ranks (node.average_arrays, on the framework's arrays)."""
+        raise NotImplementedError
 
     def set_epoch(self, epoch: int) -> None:
         """Tell an epoch-based schedule (HVD_SGP_SCHEDULE) which epoch runs."""
@@ -196,3 +209,14 @@ class GossipMethods:
     def load_sgp_state(self, state: dict) -> None:
         """Restore ``sgp_state()``; every rank calls it."""
         self._sgp_session().load_state(state)
+
+
+def all_finite(finite: bool) -> bool:
+    """True when the gradients were finite on every rank (one allreduce). A loss scaler that
+    skips a step must skip it on every rank: otherwise one rank's exchange has no partner and
+    the ranks' loss scales drift apart."""
+    flag = np.array([1 if finite else 0], dtype=np.int32)
+    return bool(collectives.allreduce(flag, ReduceOp.Min)[0])
+
+
+

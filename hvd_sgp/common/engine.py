@@ -5,9 +5,13 @@ pushsum.allocate; numpy, or device tensors of a registered kit, see arrays.py) a
 step explicitly:
 
     plan = engine.begin_step(optimizer_state)   # schedule switch, if one is due
-    if plan.reduce: engine.reduce_gradients(flat_grads)
+    if plan.reduce: engine.reduce_gradients(flat_grads)   # pre-scaled by 1 / plan.ranks
     ...the adapter's local optimizer step...
     engine.end_step(lr)                         # this stage's exchange
+
+Gradient buffers end with one spare element, as parameter buffers end with the weight: the
+engine writes this rank's share of the sum there, so that the average stays an average of
+the ranks that contributed when some have joined (hvd.join(): they serve with zeros).
 
 Every operation on the buffers runs inside the adapter's ``BufferAccess``, which makes the
 buffers hold the framework's current parameters before and writes them back after (a copy for
@@ -22,7 +26,7 @@ from __future__ import annotations
 import atexit
 import sys
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence, TypeVar
+from typing import Callable, Optional, Protocol, Sequence, TypeVar
 
 import numpy as np
 
@@ -32,7 +36,7 @@ from hvd_sgp.common.choco import ChocoMixer, ChocoOverlapMixer
 from hvd_sgp.common.codecs import Codec, codec as make_codec
 from hvd_sgp.common.errors import ConsistencyError, SgpValueError
 from hvd_sgp.common.mpi import MPI
-from hvd_sgp.common.node import average_arrays, average_in_node, exact_average
+from hvd_sgp.common.node import NodeShard, average_arrays, exact_average
 from hvd_sgp.common.options import SgpOptions
 from hvd_sgp.common.outer import OuterLoop
 from hvd_sgp.common.overlap import OverlapMixer
@@ -62,8 +66,9 @@ class StepPlan:
     """What the coming step does, as begin_step decided it."""
 
     mode: str  # the exchange after the local step: "sgp", "dpsgd" or "allreduce"
-    reduce: bool  # gradients must be averaged first (over the world in allreduce, else the node)
+    reduce: bool  # gradients must be summed first (over the world in allreduce, else the node)
     entered_allreduce: bool  # switched into AllReduce SGD: parameters and state were averaged
+    ranks: int  # how many ranks reduce_gradients sums (1 without a reduction)
 
 
 class GossipEngine:
@@ -104,6 +109,9 @@ class GossipEngine:
         self.mixers: list[PushSumMixer] = []
         self._depth = 0  # nesting of _live: only the outermost call goes through access
         self._closed = False
+        self._optimizer_state: Callable[[], Sequence] = tuple  # the adapter's, for serving
+        self._serving = False  # this rank has joined: it contributes nothing to gradients
+        self._zeros: list = []  # zero gradient buffers that a joined rank contributes
         self._enter(schedule.current(self.stages, 0, 0))
         if self.cross.Get_size() == 1 and self.world.Get_size() > 1 and self.world.Get_rank() == 0:
             print(f"hvd_sgp: all {self.world.Get_size()} ranks share one node, so gradients are "
@@ -144,7 +152,9 @@ class GossipEngine:
         was_tracking = self.stage is not None and self.tracks_weight
         self.stage = stage
         nodes = self.cross.Get_size()
-        if stage.mode == "allreduce":
+        if stage.mode == "allreduce" or nodes == 1:
+            # one SGP node: every local rank took the same step from the same averaged
+            # gradients, so there is no peer to mix with and no shard to gather back
             self.mixers = []
             return
         if stage.mode == "dpsgd":
@@ -179,25 +189,37 @@ class GossipEngine:
         returns (momentum, Adam moments: arrays of any registered kit), in place on every rank,
         so that all ranks take the same steps from there on.
         """
+        self._optimizer_state = optimizer_state
         wanted = schedule.current(self.stages, self.epoch, self.steps)
         entered = False
         if wanted != self.stage:
             entered = wanted.mode == "allreduce" and self.stage.mode != "allreduce"
             self._live(lambda: self._enter(wanted, optimizer_state))
         mode = self.stage.mode
-        reduce = ((self.outer.averages_gradients(mode) and self.world.Get_size() > 1)
-                  or self.local.Get_size() > 1)
-        return StepPlan(mode, reduce, entered)
+        world = self.outer.averages_gradients(mode)
+        ranks = (self.world if world else self.local).Get_size()
+        return StepPlan(mode, ranks > 1, entered, ranks)
 
-    def reduce_gradients(self, grads) -> None:
-        """Average gradients in place: over the node, or over the world for AllReduce SGD."""
-        if self.outer.averages_gradients(self.stage.mode):
-            if self.world.Get_size() > 1:
-                kit_for(grads).ready(grads)
-                self.world.Allreduce(MPI.IN_PLACE, grads, op=MPI.SUM)
-                grads /= self.world.Get_size()
+    def reduce_gradients(self, grads, sum_in_node: Optional[Callable] = None) -> None:
+        """Sum gradients in place over the plan's ranks (the node, or the world for AllReduce
+        SGD); ``sum_in_node`` replaces MPI for the node's sum (NCCL). The adapter scaled them
+        by 1 / plan.ranks in the copy that fused them, so the sum is the average without
+        another pass; only when ranks have joined is it rescaled to the contributors'.
+        Local SGD (AllReduce mode with local_steps > 1) sums over the node only."""
+        world = self.outer.averages_gradients(self.stage.mode)
+        comm = self.world if world else self.local
+        ranks = comm.Get_size()
+        if ranks == 1:
+            return
+        grads[-1] = 0.0 if self._serving else 1.0 / ranks  # this rank's share of the sum
+        if sum_in_node is not None and not world:
+            sum_in_node(grads)
         else:
-            average_in_node(grads, self.local)
+            kit_for(grads).ready(grads)
+            comm.Allreduce(MPI.IN_PLACE, grads, op=MPI.SUM)
+        share = float(grads[-1])
+        if 0.0 < share < 1.0 - 1e-6:
+            grads[:-1] /= share
 
     def end_step(self, lr: float = 0.0) -> None:
         """The exchange that follows each local step (``lr``: for the consensus metrics)."""
@@ -205,6 +227,9 @@ class GossipEngine:
 
     def _end_step(self, lr: float) -> None:
         mode = self.stage.mode
+        if self.steps == 0 and self.cross.Get_size() == 1:
+            for buf in self.buffers:  # once: local ranks whose start was not broadcast agree
+                NodeShard(buf, self.local).gather()
         self.steps += 1
         mixers = self.mixers if self.outer.exchanges(self.steps) else []
         if self.timeline is not None:
@@ -219,6 +244,42 @@ class GossipEngine:
             self.outer.update(self.buffers, lr)
         if self.metrics_log is not None:
             self.metrics_log.record(self.steps, self.parameters(), float(self.buffers[0][-1]), lr)
+
+    # --- join(): a rank out of data serves its peers ---------------------------------------
+    def started_iteration(self) -> int:
+        """Exchanges this rank has started (the join protocol's agreement)."""
+        return self.steps
+
+    def serve(self, poll: Callable[[], object]) -> bool:
+        """One step with no local update, while this rank is joined: the schedule, zero
+        gradients where the others reduce theirs, and the exchange (own parameters and
+        weight), calling ``poll`` while waiting so that negotiated collectives are served."""
+        self._serving = True
+        self.transport.idle = poll
+        try:
+            plan = self.begin_step(self._optimizer_state)
+            if plan.reduce:
+                if not self._zeros:
+                    self._zeros = [kit_for(b).empty(b, (len(b),)) for b in self.buffers]
+                for zeros in self._zeros:
+                    zeros[...] = 0
+                    self.reduce_gradients(zeros)
+            self.end_step()
+        finally:
+            self.transport.idle = None
+        return True
+
+    def finish(self, last: int, poll: Callable[[], object]) -> None:
+        """Serve up to iteration ``last`` (agreed by every rank), then drain: every rank
+        leaves join() having summed in the same messages."""
+        while self.steps < last:
+            self.serve(poll)
+        self.transport.idle = poll
+        try:
+            self.drain()
+        finally:
+            self.transport.idle = None
+            self._serving = False
 
     def parameters(self) -> np.ndarray:
         """All de-biased parameters as one host vector (a view for one numpy buffer)."""

@@ -22,6 +22,8 @@ def on_rank(message: str) -> str:
 class SgpError(RuntimeError):
     """A failure of the SGP machinery (communication, consistency, numerics)."""
 
+    ag_pass_through = True  # TensorFlow's AutoGraph re-raises it as it is, not as StagingError
+
     def __init__(self, message: str):
         self.rank = _rank()
         super().__init__(on_rank(message))
@@ -29,6 +31,8 @@ class SgpError(RuntimeError):
 
 class SgpValueError(ValueError):
     """A bad argument, topology, environment value or model, found before it can do harm."""
+
+    ag_pass_through = True  # as SgpError's
 
     def __init__(self, message: str):
         self.rank = _rank()

@@ -1,6 +1,7 @@
-"""Work inside one node (the ranks that share memory, or ``HVD_SGP_LOCAL_SIZE`` of them):
-exact gradient averages, the shard of the buffer each local rank carries across nodes, exact
-consensus over the whole job, and the small agreements an adapter needs among a node's ranks.
+"""Work inside one node (the ranks that share memory, or ``HVD_SGP_LOCAL_SIZE`` of them): the
+shard of the buffer each local rank carries across nodes, exact averages (consensus over the
+whole job, optimizer or model state), and the small agreements an adapter needs among a
+node's ranks.
 
 SGP gossips between nodes; inside a node everything is exact.
 """
@@ -21,11 +22,8 @@ def shard_bounds(n: int, parts: int, index: int) -> tuple[int, int]:
 
 
 def average_in_node(array, local: MPI.Comm) -> None:
-    """Exact in-place average over the ranks of one node (gradients before the local step)."""
-    if local.Get_size() > 1:
-        kit_for(array).ready(array)
-        local.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
-        array /= local.Get_size()
+    """Exact in-place average of one array over the ranks of a node."""
+    average_arrays([array], local)
 
 
 def average_arrays(arrays: Sequence, comm: MPI.Comm) -> None:

@@ -3,7 +3,8 @@
 Cheap figures (weight, seconds waited, bytes sent) are counters kept by the transport. The
 consensus measures cost one allreduce and run only when asked for (or every N steps with
 ``HVD_SGP_METRICS``). The timeline (``HVD_SGP_TIMELINE`` or ``HOROVOD_TIMELINE``) records each
-rank's compute, send/receive and wait spans; each rank writes its own file while it runs and
+rank's compute, send/receive and wait spans (and a CYCLE_START mark per step with
+``HOROVOD_TIMELINE_MARK_CYCLES=1``); each rank writes its own file while it runs and
 rank 0 merges them into the named file at shutdown, one row per rank (open it in Perfetto).
 """
 from __future__ import annotations
@@ -92,8 +93,9 @@ class Timeline:
     seconds for the others; on several hosts without a shared file system, copy the parts
     together and run ``python -m hvd_sgp.common.telemetry PATH``)."""
 
-    def __init__(self, path: str, rank: int, size: int):
+    def __init__(self, path: str, rank: int, size: int, mark_cycles: Optional[bool] = None):
         self.path, self.rank, self.size = path, rank, size
+        self.mark_cycles = marks_cycles() if mark_cycles is None else mark_cycles
         self._file = open(f"{path}.rank{rank}", "w")
         self._file.write("[\n")
         self._lock = threading.Lock()
@@ -128,6 +130,11 @@ class Timeline:
         if self._compute_from is not None:
             self.event("compute", self._compute_from, now, step=step)
         self._compute_from = now
+        if self.mark_cycles:  # horovodrun --timeline-mark-cycles: one mark per gossip step
+            record = {"name": "CYCLE_START", "ph": "i", "s": "p", "pid": self.rank, "tid": 0,
+                      "ts": now, "args": {"step": step}}
+            with self._lock:
+                self._file.write(json.dumps(record) + ",\n")
 
     def resume_compute(self) -> None:
         self._compute_from = self._now_us()
@@ -178,6 +185,13 @@ def merge_timeline(path: str) -> int:
 
 def timeline_path() -> Optional[str]:
     return os.environ.get("HVD_SGP_TIMELINE") or os.environ.get("HOROVOD_TIMELINE") or None
+
+
+def marks_cycles() -> bool:
+    """Whether HOROVOD_TIMELINE_MARK_CYCLES (``sgprun --timeline-mark-cycles``) asks for a mark
+    at every gossip step."""
+    return os.environ.get("HOROVOD_TIMELINE_MARK_CYCLES", "").strip().lower() in (
+        "1", "true", "yes", "on")
 
 
 if __name__ == "__main__":

@@ -5,14 +5,15 @@ and hvd_sgp adds a few SGP choices (topology, peers, overlap) that the job reads
 environment. sgprun checks what it can before anything starts (host syntax, slots, name
 resolution) and exits with status 2 on a bad request, so a typo never becomes a hung job.
 
-The work is split so that tests need no MPI: ``parse_args`` and ``validate`` read the request,
+horovodrun's flags are declared once, in ``horovod_flags.FLAGS`` (what each maps to, or why it
+is ignored or refused); the SGP flags come from the options table. The work is split so that
+tests need no MPI: ``parse_args`` and ``validate`` read the request,
 ``detect_site`` asks the machine which launcher it has, and ``job_environment`` and
 ``build_command`` are pure functions of those three that return what ``run`` executes.
 """
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import shlex
@@ -27,26 +28,18 @@ from typing import Callable, Mapping, Optional, Sequence, TypeVar
 from hvd_sgp.common.errors import OptionError
 from hvd_sgp.common.options import OPTIONS  # importing the core does not start MPI
 from hvd_sgp.common.options import environment as options_environment
-from hvd_sgp.version import __version__
+from hvd_sgp.runner import horovod_flags
+from hvd_sgp.runner.hosts import Host, parse_hosts, read_hostfile  # noqa: F401 (public here too)
 
 FORWARD_PREFIXES = ("HVD_SGP_", "HOROVOD_", "NCCL_")
 FORWARD_NAMES = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH")
 LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
-LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 
 T = TypeVar("T")
 
 
 class LaunchError(Exception):
     """A request that cannot run, found before the launcher starts; sgprun exits with 2."""
-
-
-@dataclass(frozen=True)
-class Host:
-    """One entry of ``-H`` or a hostfile: a host name and how many processes it takes."""
-
-    name: str
-    slots: int
 
 
 @dataclass(frozen=True)
@@ -62,78 +55,6 @@ class Site:
     major: int
     cores: int
     euid: int
-
-
-def _host_entry(entry: str, where: str) -> Host:
-    name, sep, slots = entry.partition(":")
-    if not name or any(c.isspace() for c in name):
-        raise ValueError(f"malformed host entry {entry!r} in {where}: expected host or host:slots")
-    if not sep:
-        return Host(name, 1)
-    if not slots.isdigit() or int(slots) < 1:
-        raise ValueError(f"malformed host entry {entry!r} in {where}: slots must be a positive "
-                         "integer")
-    return Host(name, int(slots))
-
-
-def parse_hosts(spec: str) -> list[Host]:
-    """Parse ``-H host1:slots,host2:slots`` (slots default to 1, as in horovodrun)."""
-    entries = [entry.strip() for entry in spec.split(",")]
-    if not spec.strip() or not all(entries):
-        raise ValueError(f"malformed host list {spec!r}: expected host1:slots,host2:slots,...")
-    return [_host_entry(entry, "-H") for entry in entries]
-
-
-def read_hostfile(path: str) -> list[Host]:
-    """Read a hostfile in Open MPI's (``host slots=4``) or MPICH's (``host:4``) syntax.
-
-    Both syntaxes are accepted so one file serves either MPI; sgprun passes the hosts on the
-    command line in the launcher's own syntax.
-    """
-    try:
-        with open(path, encoding="utf-8") as handle:
-            lines = handle.read().splitlines()
-    except FileNotFoundError:
-        raise ValueError(f"hostfile {path!r} not found") from None
-    except OSError as exc:
-        raise ValueError(f"cannot read hostfile {path!r}: {exc.strerror}") from None
-    hosts = []
-    for number, raw in enumerate(lines, 1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        where = f"{path} line {number}"
-        words = line.split()
-        if len(words) == 1:
-            hosts.append(_host_entry(words[0], where))
-            continue
-        match = re.fullmatch(r"slots=(\d+)", words[1])
-        if len(words) != 2 or ":" in words[0] or not match or int(match.group(1)) < 1:
-            raise ValueError(f"malformed line {raw.strip()!r} in {where}: expected "
-                             "'host slots=N' or 'host:N'")
-        hosts.append(Host(words[0], int(match.group(1))))
-    if not hosts:
-        raise ValueError(f"hostfile {path!r} names no hosts")
-    return hosts
-
-
-def _count(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        if not text.strip().isdigit() or int(text) < minimum:
-            raise ValueError(f"expected an integer >= {minimum}, got {text!r}")
-        return int(text)
-
-    return parse
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
-        raise ValueError(f"expected a positive number of seconds, got {text!r}")
-    return value
 
 
 def _checked(parse: Callable[[str], T]) -> Callable[[str], T]:
@@ -156,33 +77,7 @@ def make_parser() -> argparse.ArgumentParser:
         description="Launch a Horovod-style training script with hvd_sgp over MPI. "
                     "Example: sgprun -np 8 -H a:4,b:4 python train.py",
     )
-    parser.add_argument("-v", "--version", action="version", version=f"hvd_sgp {__version__}")
-    parser.add_argument("-np", "--num-proc", dest="np", type=_checked(_count(1)),
-                        help="number of training processes")
-    hosts = parser.add_mutually_exclusive_group()
-    hosts.add_argument("-H", "--hosts", type=_checked(parse_hosts),
-                       help="host1:slots,host2:slots,... (default: this machine)")
-    hosts.add_argument("-hostfile", "--hostfile", type=_checked(read_hostfile),
-                       help="file of 'host slots=N' or 'host:N' lines")
-    parser.add_argument("-p", "--ssh-port", type=_checked(_count(1)), help="ssh port on all hosts")
-    parser.add_argument("--mpi-args", default="",
-                        help="extra launcher arguments, one string: --mpi-args=\"--mca pml ucx\"")
-    parser.add_argument("--network-interface", "--network-interfaces", dest="nic",
-                        help="network interface(s) for MPI and NCCL, e.g. eth0")
-    parser.add_argument("--timeline-filename",
-                        help="write a Chrome-trace timeline here (HVD_SGP_TIMELINE)")
-    parser.add_argument("--output-filename",
-                        help="per-rank stdout/stderr files are named from this prefix")
-    parser.add_argument("--start-timeout", type=_checked(_seconds),
-                        help="accepted for horovodrun scripts; no effect (a slow start is bounded "
-                             "by --timeout, the deadline of every wait on a peer)")
-    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS,
-                        help="accepted for horovodrun scripts; no effect")
-    parser.add_argument("--verbose", action="store_true",
-                        help="print the launch command before running it")
-    parser.add_argument("-cb", "--check-build", action="store_true",
-                        help="show which MPI, frameworks and GPU features are available, and exit")
-
+    horovod_flags.add_arguments(parser, _checked)
     add_sgp_arguments(parser.add_argument_group("SGP"))
 
     launch = parser.add_argument_group("launcher")
@@ -195,10 +90,20 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """Parse sgprun's arguments; bad flags exit with argparse's message and status 2."""
-    args = make_parser().parse_args(argv)
+    """Parse sgprun's arguments, then fill what they leave unset from ``--config-file`` as
+    horovodrun does; bad flags or config values exit with argparse's message and status 2.
+    ``config_unknown`` lists config keys sgprun does not know (named in the warning)."""
+    parser = make_parser()
+    args = parser.parse_args(argv)
     if args.command[:1] == ["--"]:
         args.command = args.command[1:]
+    args.config_unknown = []
+    if args.config_file:
+        try:
+            config = horovod_flags.read_config(args.config_file)
+            args.config_unknown = horovod_flags.apply_config(args, config, args.config_file)
+        except ValueError as exc:
+            parser.error(str(exc))
     return args
 
 
@@ -219,6 +124,9 @@ def validate(args: argparse.Namespace,
 
     Names are only looked up (``resolve``), never connected to.
     """
+    refusal = horovod_flags.refusal(args)
+    if refusal:
+        raise LaunchError(refusal)
     if not args.command:
         raise LaunchError("no program to run; usage: sgprun -np N [options] program [args]")
     if args.np is None:
@@ -332,18 +240,17 @@ def _parsed(option, text: str):
 
 
 def sgp_environment(args: argparse.Namespace) -> dict[str, str]:
-    """The HVD_SGP_* variables that carry sgprun's choices to every rank."""
+    """The HVD_SGP_* variables that carry sgprun's SGP choices to every rank."""
     chosen = {option.name: getattr(args, option.name) for option in OPTIONS}
-    environ = options_environment(chosen)
-    if args.timeline_filename:
-        environ["HVD_SGP_TIMELINE"] = args.timeline_filename
-    return environ
+    return options_environment(chosen)
 
 
 def job_environment(args: argparse.Namespace, env: Mapping[str, str], site: Site) -> dict[str, str]:
-    """The launcher's environment: ``env``, the SGP choices, the NIC for NCCL, root's consent."""
+    """The launcher's environment: ``env``, the SGP choices, the variables of the horovodrun
+    flags given, the NIC for NCCL, root's consent."""
     job = dict(env)
     job.update(sgp_environment(args))
+    job.update(horovod_flags.environment(args, env))
     if args.nic:
         job["NCCL_SOCKET_IFNAME"] = args.nic
     if site.flavour == "openmpi" and site.euid == 0:
@@ -363,20 +270,46 @@ def _host_list(hosts: Sequence[Host]) -> str:
     return ",".join(f"{host.name}:{host.slots}" for host in hosts)
 
 
+def _ssh_arguments(args: argparse.Namespace) -> str:
+    """horovodrun's ssh options (port, identity) for the launcher's remote starts."""
+    words = [f"-p {args.ssh_port}"] if args.ssh_port else []
+    if args.ssh_identity_file:
+        words.append(f"-i {shlex.quote(args.ssh_identity_file)}")
+    return " ".join(words)
+
+
+def _open_mpi_only(args: argparse.Namespace, launcher: str) -> None:
+    """Refuse the horovodrun flags that only Open MPI's mpirun can honour."""
+    advice = {"ssh_port": "set 'Port' for the hosts in ~/.ssh/config",
+              "ssh_identity_file": "set 'IdentityFile' for the hosts in ~/.ssh/config",
+              "prefix_output_with_timestamp": "drop it or use Open MPI"}
+    for dest, hint in advice.items():
+        if getattr(args, dest):
+            flag = horovod_flags.BY_DEST[dest].spellings[-1]
+            raise LaunchError(f"{flag} needs Open MPI; with {launcher}, {hint}")
+
+
 def _openmpi_options(args: argparse.Namespace, site: Site, job_env: Mapping[str, str]) -> list[str]:
     # horovodrun's placement: no pinning to one core, fill hosts slot by slot.
-    options = ["-np", str(args.np), "--bind-to", "none", "--map-by", "slot"]
+    placement = ["--bind-to", "none", "--map-by", "slot"]
+    options = ["-np", str(args.np),
+               *(shlex.split(args.binding_args) if args.binding_args else placement)]
     hosts = requested_hosts(args)
     if hosts:
         options += ["-H", _host_list(hosts)]
     elif args.np > site.cores:
         options.append("--oversubscribe")
-    if args.ssh_port:
+    ssh = _ssh_arguments(args)
+    if ssh:
         # PRRTE (Open MPI 5) renamed the rsh launcher's parameters to ssh.
-        name = "plm_ssh_args" if site.major >= 5 else "plm_rsh_args"
-        options += ["--mca", name, f"-p {args.ssh_port}"]
+        options += ["--mca", "plm_ssh_args" if site.major >= 5 else "plm_rsh_args", ssh]
     if args.nic:
         options += ["--mca", "btl_tcp_if_include", args.nic]
+    if args.tcp:
+        shared_memory = "sm" if site.major >= 5 else "vader"  # renamed in Open MPI 5
+        options += ["--mca", "pml", "ob1", "--mca", "btl", f"self,{shared_memory},tcp"]
+    if args.prefix_output_with_timestamp:
+        options += ["--output", "timestamp"] if site.major >= 5 else ["--timestamp-output"]
     if args.output_filename:
         options += ["--output-filename", args.output_filename]
     for name in forwarded_names(job_env):
@@ -385,13 +318,11 @@ def _openmpi_options(args: argparse.Namespace, site: Site, job_env: Mapping[str,
 
 
 def _hydra_options(args: argparse.Namespace, job_env: Mapping[str, str]) -> list[str]:
-    options = ["-n", str(args.np)]
+    _open_mpi_only(args, "MPICH/hydra")
+    options = ["-n", str(args.np), *shlex.split(args.binding_args or "")]
     hosts = requested_hosts(args)
     if hosts:
         options += ["-hosts", _host_list(hosts)]
-    if args.ssh_port:
-        raise LaunchError("--ssh-port needs Open MPI; with MPICH/hydra set 'Port' for the hosts in "
-                          "~/.ssh/config")
     if args.nic:
         options += ["-iface", args.nic]
     if args.output_filename:
@@ -404,13 +335,15 @@ def _hydra_options(args: argparse.Namespace, job_env: Mapping[str, str]) -> list
 
 
 def _srun_options(args: argparse.Namespace) -> list[str]:
+    _open_mpi_only(args, "srun")
+    if args.binding_args:
+        raise LaunchError("--binding-args are mpirun arguments; with srun pass --cpu-bind=... in "
+                          "--mpi-args")
     # srun exports the whole environment by default; one failed rank ends the step.
     options = [f"--ntasks={args.np}", "--cpu-bind=none", "--kill-on-bad-exit=1"]
     hosts = requested_hosts(args)
     if hosts:
         options.append("--nodelist=" + ",".join(host.name for host in hosts))
-    if args.ssh_port:
-        raise LaunchError("--ssh-port has no meaning with srun")
     if args.output_filename:
         options += [f"--output={args.output_filename}.%t.out",
                     f"--error={args.output_filename}.%t.err"]
@@ -425,7 +358,7 @@ def build_command(args: argparse.Namespace, env: Mapping[str, str], site: Site) 
         options = _hydra_options(args, job_environment(args, env, site))
     else:
         options = _srun_options(args)
-    return [site.launcher, *options, *shlex.split(args.mpi_args), *args.command]
+    return [site.launcher, *options, *shlex.split(args.mpi_args or ""), *args.command]
 
 
 def exit_status(returncode: int) -> int:
@@ -465,6 +398,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except LaunchError as exc:
         print(f"sgprun: error: {exc}", file=sys.stderr)
         return 2
+    notice = horovod_flags.warning(args, args.config_unknown)
+    if notice:
+        print(notice, file=sys.stderr, flush=True)
     if args.output_filename:
         os.makedirs(os.path.dirname(os.path.abspath(args.output_filename)), exist_ok=True)
     if args.verbose:

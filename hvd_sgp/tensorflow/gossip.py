@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Collection, Sequence, TypeVar
 
 import numpy as np
 import tensorflow as tf
 
 from hvd_sgp.common import adapter, runtime
 from hvd_sgp.common.errors import SgpValueError
+from hvd_sgp.common.node import average_arrays
 from hvd_sgp.common.pushsum import allocate
 from hvd_sgp.tensorflow import bridge
 
@@ -84,8 +85,8 @@ class VariableGossip:
         options = self.session.settings.options
         scheduled = bool(options.schedule)
         if options.mode == "allreduce" or scheduled or runtime.local_size() > 1:
-            grads = self._reduce(grads, list(state) if scheduled else [])
-        scale = self.session.gradient_scale
+            return self._reduce(grads, list(state) if scheduled else [])
+        scale = self.session.gradient_scale()
         if scale != 1.0:
             grads = [None if g is None else g * tf.cast(scale, g.dtype) for g in grads]
         return grads
@@ -101,16 +102,20 @@ class VariableGossip:
             dtypes += dtypes + [tf.as_dtype(v.dtype) for v in state]
 
         def reduce(*arrays) -> list[np.ndarray]:
-            flat_grads = [np.array(a) for a in arrays[:groups]]  # TF's inputs are read-only
             arrays_state = [np.array(a) for a in arrays[2 * groups:]]
             if state:
                 self._load(arrays[groups:2 * groups])
             self._loaded = bool(state)
             try:
                 plan = self.session.begin_step(lambda: arrays_state)
-                if plan.reduce:
-                    for g in flat_grads:
-                        self.session.reduce_gradients(g)
+                scale = self.session.gradient_scale(plan)
+                flat_grads = []
+                for given in arrays[:groups]:  # TF's inputs are read-only: scaled copies,
+                    flat = np.empty(len(given) + 1, given.dtype)  # and the engine's element
+                    np.multiply(given, scale, out=flat[:-1])
+                    if plan.reduce:
+                        self.session.reduce_gradients(flat)
+                    flat_grads.append(flat[:-1])
             finally:
                 self._loaded = False
             if not state:
@@ -186,3 +191,59 @@ def _forget(key: tuple) -> None:
     gossip = _BY_VARIABLES.pop(key, None)
     if gossip is not None:
         gossip.session.close()
+
+
+def scaled(grad, factor: float):
+    """``grad * factor`` for dense and sparse (IndexedSlices) gradients alike."""
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values * tf.cast(factor, grad.values.dtype), grad.indices,
+                                grad.dense_shape)
+    return grad * tf.cast(factor, grad.dtype)
+
+
+def finite_everywhere(grads: Sequence) -> list:
+    """The gradients, made non-finite on every rank when they are non-finite on any (one
+    allreduce of a flag), so that a LossScaleOptimizer skips the step and lowers its scale on
+    every rank alike; None stays None."""
+    grads = [None if g is None else bridge.dense(g) for g in grads]
+    checks = [tf.reduce_all(tf.math.is_finite(g)) for g in grads if g is not None]
+    finite = tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
+    everywhere, = bridge.call(lambda flag: [np.asarray(adapter.all_finite(bool(flag)))],
+                              [finite], [tf.bool], [[]], "hvd_sgp all_finite")
+    return [None if g is None else g + tf.where(everywhere, tf.zeros([], g.dtype),
+                                                tf.constant(np.nan, g.dtype))
+            for g in grads]
+
+
+def average_statistics(model, local: Collection[int] = ()) -> None:
+    """Replace the model's running statistics (its non-trainable floating-point variables:
+    BatchNorm's moving mean and variance) by their exact average over all ranks; variables
+    whose id is in ``local`` stay as they are. Eager; every rank calls it."""
+    variables = [v for v in model.non_trainable_variables
+                 if tf.as_dtype(v.dtype).is_floating and id(v) not in local]
+    values = [np.array(v.numpy()) for v in variables]
+    average_arrays(values, runtime.world_comm())
+    for variable, value in zip(variables, values):
+        variable.assign(value)
+
+
+def shared_indices(variables: Sequence, local: Collection[int]) -> list[int]:
+    """Indices of the variables SGP gossips: all but those whose id is in ``local``."""
+    shared = [i for i, v in enumerate(variables) if id(v) not in local]
+    if not shared:
+        raise SgpValueError("every variable is registered local: SGP has nothing to gossip")
+    return shared
+
+
+def combine(grads: Sequence, shared: Sequence[int], reduced: Sequence,
+            scale_local: bool) -> list:
+    """All gradients again: the reduced ones at ``shared``, the local ones as they are, or
+    scaled by 1/size with ``scale_local`` (Horovod's ``scale_local_gradients``)."""
+    out = list(grads)
+    for i, g in zip(shared, reduced):
+        out[i] = g
+    if scale_local and len(shared) < len(out):
+        keep = set(shared)
+        out = [g if i in keep or g is None else scaled(g, 1.0 / runtime.size())
+               for i, g in enumerate(out)]
+    return out

@@ -75,33 +75,49 @@ class FlatGroup:
 
     @property
     def grad(self) -> torch.Tensor:
+        """The flat gradients, and one spare element for the engine (see engine.py)."""
         if self._grad is None:
-            self._grad = torch.zeros(self.numel, dtype=self.flat.dtype, device=self.device)
+            self._grad = torch.zeros(self.numel + 1, dtype=self.flat.dtype, device=self.device)
         return self._grad
 
-    def gather_grads(self) -> torch.Tensor:
-        """The gradients as one flat tensor on the group's device (zeros where None)."""
+    def gather_grads(self, scale: float = 1.0) -> torch.Tensor:
+        """The gradients times ``scale`` as one flat tensor on the group's device (zeros where
+        None; sparse gradients, e.g. of an Embedding(sparse=True), densified). The scaling
+        rides in the copy: no separate pass over the buffer."""
         for p, (a, b) in zip(self.params, self.slices):
+            view = self.grad[a:b]
             if p.grad is None:
-                self.grad[a:b].zero_()
+                view.zero_()
+                continue
+            grad = (p.grad.to_dense() if p.grad.is_sparse else p.grad).reshape(-1)
+            if scale == 1.0:
+                view.copy_(grad)
             else:
-                self.grad[a:b].copy_(p.grad.reshape(-1))
+                torch.mul(grad, scale, out=view)
         return self.grad
 
     def scatter_grads(self) -> None:
+        """Hand the reduced gradients back; a sparse gradient stays sparse (rows any rank
+        touched), for optimizers that need one (SparseAdam)."""
         for p, (a, b) in zip(self.params, self.slices):
-            if p.grad is not None:
-                p.grad.copy_(self.grad[a:b].view_as(p.grad))
+            if p.grad is None:
+                continue
+            reduced = self.grad[a:b].view_as(p)
+            if p.grad.is_sparse:
+                p.grad = reduced.to_sparse(p.grad.sparse_dim())
+            else:
+                p.grad.copy_(reduced)
 
-    def grads_for_mpi(self):
-        """The flat gradients as the core should reduce them (same placement as the buffer)."""
-        grads = self.gather_grads()
+    def grads_for_mpi(self, scale: float = 1.0):
+        """The flat gradients times ``scale`` as the core should reduce them (same placement
+        as the buffer)."""
+        grads = self.gather_grads(scale)
         if self.placement == "view":
             return grads.numpy()
         if self.placement == "direct":
             return grads
         if self._host_grad is None:
-            self._host_grad = torch.empty(self.numel, dtype=grads.dtype,
+            self._host_grad = torch.empty(self.numel + 1, dtype=grads.dtype,
                                           pin_memory=self.device.type == "cuda")
         self._host_grad.copy_(grads)
         return self._host_grad.numpy()

@@ -56,7 +56,6 @@ def _user_world_subgroup(backend: str = "nccl"):
     return group
 
 
-def average(flat: torch.Tensor) -> None:
-    """In-place exact average of a CUDA tensor over the node's ranks."""
+def allreduce_sum(flat: torch.Tensor) -> None:
+    """In-place sum of a CUDA tensor over the node's ranks (the caller pre-scaled it)."""
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=_node_group())
-    flat.div_(runtime.local_size())

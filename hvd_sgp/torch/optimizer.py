@@ -10,7 +10,8 @@ import contextlib
 import warnings
 import torch
 
-from hvd_sgp.common import adapter
+from hvd_sgp.common import adapter, runtime
+from hvd_sgp.common.node import average_arrays
 from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.common.options import keyword_help
 from hvd_sgp.torch import node_nccl
@@ -34,7 +35,7 @@ class StagedAccess:
 class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
     """Mixed into a subclass of the user's optimizer class (see DistributedOptimizer)."""
 
-    def __init__(self, params, named_parameters, backward_passes_per_step,
+    def __init__(self, params, named_parameters, backward_passes_per_step, sparse_as_dense,
                  config: adapter.Settings):
         super(self.__class__, self).__init__(params)
         all_params = [p for group in self.param_groups for p in group["params"]]
@@ -42,6 +43,7 @@ class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
         if len({id(p) for p in all_params}) != len(all_params):
             raise SgpValueError("a parameter appears in more than one param group")
         self.backward_passes_per_step = backward_passes_per_step
+        self._sparse_as_dense = sparse_as_dense
         self._groups = group_parameters(all_params)
         signature = [(self._parameter_names.get(id(p), i), tuple(p.shape), str(p.dtype))
                      for i, p in enumerate(all_params)]
@@ -73,17 +75,22 @@ class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
         """Average gradients exactly within the node (across the world in mode='allreduce')."""
         for group in self._groups:
             group.check_views()
+        if self._sparse_as_dense:
+            for p in self._all_params():
+                if p.grad is not None and p.grad.is_sparse:
+                    p.grad = p.grad.to_dense()
         plan = self._session.begin_step(self._floating_state)
+        scale = self._session.gradient_scale(plan)  # rides in the copy into the flat buffer
         if plan.reduce:
             for group in self._groups:
                 if group.device.type == "cuda" and plan.mode != "allreduce" and node_nccl.usable():
-                    node_nccl.average(group.gather_grads())
+                    self._session.reduce_gradients(group.gather_grads(scale),
+                                                   node_nccl.allreduce_sum)
                     group.scatter_grads()
                 else:
-                    self._session.reduce_gradients(group.grads_for_mpi())
+                    self._session.reduce_gradients(group.grads_for_mpi(scale))
                     group.grads_from_mpi()
-        scale = self._session.gradient_scale
-        if scale != 1.0:
+        elif scale != 1.0:
             for p in self._all_params():
                 if p.grad is not None:
                     p.grad.mul_(scale)
@@ -105,22 +112,53 @@ class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
         finally:
             self._should_skip = False
 
+    # torch.amp.GradScaler then calls step() even when it found inf/NaN gradients (handing us
+    # ``found_inf``), so a node that skips its local update still gossips: its peers never wait
+    # for an exchange that does not come.
+    _step_supports_amp_scaling = True
+
     def step(self, closure=None):
-        if self._should_skip:
-            if not self._synchronized:
+        scaling = {key: self.__dict__.pop(key) for key in ("grad_scale", "found_inf")
+                   if key in self.__dict__}  # set by GradScaler.step; it deletes them after
+        try:
+            if self._should_skip:
+                if not self._synchronized:
+                    self.synchronize()
+            elif self._synchronized:
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(). This can cause training slowdown. You may want to "
+                    "consider using optimizer.skip_synchronize() context if you use "
+                    "optimizer.synchronize() in your code.")
+            else:
                 self.synchronize()
-        elif self._synchronized:
-            warnings.warn(
-                "optimizer.step() called without optimizer.skip_synchronize() context after "
-                "optimizer.synchronize(). This can cause training slowdown. You may want to "
-                "consider using optimizer.skip_synchronize() context if you use "
-                "optimizer.synchronize() in your code.")
-        else:
-            self.synchronize()
-        self._synchronized = False
-        loss = super(self.__class__, self).step(closure)
-        self._session.end_step(self.param_groups[0]["lr"])
-        return loss
+            self._synchronized = False
+            loss = None
+            if self._unscale(scaling.get("grad_scale"), scaling.get("found_inf")):
+                loss = super(self.__class__, self).step(closure)
+            self._session.end_step(self.param_groups[0]["lr"])
+            return loss
+        finally:
+            self.__dict__.update(scaling)
+
+    def _unscale(self, scale, found_inf) -> bool:
+        """Under GradScaler: whether to take the local step, unscaling the gradients first
+        where GradScaler left them scaled (``scale``: step() without unscale_()). The check
+        runs on the reduced gradients, so every rank of a node decides alike."""
+        if found_inf is not None and bool(found_inf.item()):
+            return False
+        if scale is None:
+            return True
+        params = [p for p in self._all_params() if p.grad is not None]
+        values = [p.grad.coalesce().values() if p.grad.is_sparse else p.grad for p in params]
+        if values and not bool(torch.stack([v.isfinite().all() for v in values]).all()):
+            return False
+        for p in params:
+            if p.grad.is_sparse:
+                p.grad = p.grad / scale.to(p.grad.device)
+            else:
+                p.grad.div_(scale.to(p.grad.device))
+        return True
 
     def _all_params(self):
         return [p for group in self._groups for p in group.params]
@@ -131,6 +169,10 @@ class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
 
     def _sgp_learning_rate(self) -> float:
         return self.param_groups[0]["lr"]
+
+    def _sgp_average_statistics(self, model: torch.nn.Module) -> None:
+        average_arrays([b for b in model.buffers() if b.is_floating_point()],
+                       runtime.world_comm())
 
     def state_dict(self):
         state = super(self.__class__, self).state_dict()
@@ -176,7 +218,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
 
     Returns an instance of a subclass of the optimizer's class, so isinstance checks, LR
     schedulers and param_groups keep working. ``num_groups``/``groups`` (Horovod's fusion
-    groups) are accepted and unneeded: all parameters already travel as one buffer.
+    groups) are accepted and unneeded: all parameters already travel as one buffer. Sparse
+    gradients are averaged densely where they must be (in-node, or mode='allreduce') and handed
+    back sparse; ``sparse_as_dense=True`` makes them dense for the local step too.
     """
     check_process_set(process_set)
     config = adapter.settings(op, compression, sgp, gradient_predivide_factor,
@@ -186,7 +230,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                             "supported by DistributedOptimizer")
     cls = type(optimizer.__class__.__name__, (adapter.GossipMethods, optimizer.__class__),
                dict(_DistributedOptimizer.__dict__))
-    wrapped = cls(optimizer.param_groups, named_parameters, backward_passes_per_step, config)
+    wrapped = cls(optimizer.param_groups, named_parameters, backward_passes_per_step,
+                  sparse_as_dense, config)
     wrapped.load_state_dict(optimizer.state_dict())
     return wrapped
 

@@ -2,18 +2,43 @@
 
 Under SGP the ranks' models differ slightly while training; ``ConsensusCallback`` replaces them
 by their exact average where one model is wanted: before evaluation, before a checkpoint, at
-the end of training.
+the end of training. Running statistics that SGP does not gossip (BatchNorm's moving mean and
+variance: the model's non-trainable floating-point variables) are averaged exactly there too,
+and by ``BestModelCheckpoint`` before it saves. The callbacks subclass the process's Keras
+(Keras 3, or tf_keras under TF_USE_LEGACY_KERAS=1).
 """
 from __future__ import annotations
 
 from typing import Callable, Optional, Union
 
-import keras
 import numpy as np
+import tensorflow as tf
 
 from hvd_sgp.common import collectives, runtime
 from hvd_sgp.common.errors import SgpValueError
+from hvd_sgp.tensorflow import flavour, gossip
+from hvd_sgp.tensorflow.flavour import keras
 from hvd_sgp.tensorflow.mpi_ops import broadcast_variables
+
+
+def _value(tensor) -> float:
+    return float(np.asarray(tf.convert_to_tensor(tensor)))
+
+
+def _distributed(model):
+    """The model's hvd.DistributedOptimizer (also inside a LossScaleOptimizer), or None."""
+    optimizer = getattr(model, "optimizer", None)
+    if not hasattr(optimizer, "average_parameters"):
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return optimizer if hasattr(optimizer, "average_parameters") else None
+
+
+def sgp_optimizer(model, needed_by: str):
+    """The model's hvd.DistributedOptimizer; a clear error if it has none."""
+    optimizer = _distributed(model)
+    if optimizer is None:
+        raise SgpValueError(f"{needed_by} needs a model compiled with hvd.DistributedOptimizer")
+    return optimizer
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
@@ -22,26 +47,37 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     As every Horovod Keras script has it, it also tells an SGP optimizer the epoch, for
     epoch-based schedules (HVD_SGP_SCHEDULE)."""
 
-    def __init__(self, root_rank: int, device: str = ""):
+    def __init__(self, root_rank: int, device: str = "", local_variables=None):
+        """``local_variables`` (Horovod's): a variable or a list of them not to broadcast."""
         super().__init__()
         self.root_rank = root_rank
         self.broadcast_done = False
+        if local_variables is None:
+            local_variables = []
+        elif hasattr(local_variables, "assign"):
+            local_variables = [local_variables]
+        elif not all(hasattr(v, "assign") for v in local_variables):
+            raise SgpValueError("All local variables must be of tf.Variable type.")
+        self.local_variables = {id(v) for v in local_variables}
+
+    def _shared(self, variables) -> list:
+        return [v for v in variables if id(v) not in self.local_variables]
 
     def _broadcast(self) -> None:
-        broadcast_variables(self.model.variables, self.root_rank)
+        broadcast_variables(self._shared(self.model.variables), self.root_rank)
         optimizer = getattr(self.model, "optimizer", None)
-        if optimizer is not None and optimizer.built:
-            broadcast_variables(optimizer.variables, self.root_rank)
+        if optimizer is not None and flavour.built(optimizer):
+            broadcast_variables(flavour.optimizer_variables(optimizer), self.root_rank)
         self.broadcast_done = True
 
     def on_train_begin(self, logs=None) -> None:
         optimizer = getattr(self.model, "optimizer", None)
-        if not self.broadcast_done and (optimizer is None or optimizer.built):
+        if not self.broadcast_done and (optimizer is None or flavour.built(optimizer)):
             self._broadcast()
 
     def on_epoch_begin(self, epoch, logs=None) -> None:
-        optimizer = getattr(self.model, "optimizer", None)
-        if hasattr(optimizer, "set_epoch") and optimizer.built:
+        optimizer = _distributed(self.model)
+        if optimizer is not None:
             optimizer.set_epoch(epoch)
 
     def on_train_batch_end(self, batch, logs=None) -> None:
@@ -69,8 +105,8 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
     """Set lr = initial_lr * multiplier(epoch) for start_epoch <= epoch < end_epoch, per epoch
     (staircase) or per batch with a fractional epoch.
 
-    ``momentum_correction`` is accepted and has no effect: Keras 3 compiles the momentum into
-    the train step as a constant.
+    ``momentum_correction`` is accepted and has no effect: Keras compiles the momentum into the
+    train step as a constant.
     """
 
     def __init__(self, initial_lr: float, multiplier: Union[float, Callable[[float], float]],
@@ -113,7 +149,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None) -> None:
         if logs is not None:
-            logs["lr"] = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+            logs["lr"] = _value(self.model.optimizer.learning_rate)
 
 
 class LearningRateWarmupCallback(LearningRateScheduleCallback):
@@ -135,31 +171,44 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
     def on_epoch_end(self, epoch, logs=None) -> None:
         super().on_epoch_end(epoch, logs)
         if epoch == self.end_epoch - 1 and self.verbose > 0 and runtime.rank() == 0:
-            lr = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+            lr = _value(self.model.optimizer.learning_rate)
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {lr:g}.")
 
 
 class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
-    """Keep the best model by ``monitor`` in ``filepath``, written by rank 0 only. Put
-    MetricAverageCallback and ConsensusCallback(every_epochs=1) before it so the choice and the
-    model saved are the network's."""
+    """Horovod's: keep the best model (or its weights, ``save_weights_only``) by ``monitor``
+    in ``filepath``, written by rank 0 only (by default best_model.keras, or
+    best_model.weights.h5 for weights). Each time it checks, every rank first averages the
+    running statistics (BatchNorm's) exactly. Put MetricAverageCallback and
+    ConsensusCallback(every_epochs=1) before it so the choice and the weights saved are the
+    network's."""
 
-    def __init__(self, monitor: str = "val_loss", verbose: int = 0, mode: str = "auto",
-                 save_freq: Union[str, int] = "epoch", filepath: str = "best_model.keras"):
+    def __init__(self, monitor: str = "val_loss", verbose: int = 0,
+                 save_weights_only: bool = False, mode: str = "auto",
+                 save_freq: Union[str, int] = "epoch", filepath: Optional[str] = None):
+        if filepath is None:
+            filepath = "best_model.weights.h5" if save_weights_only else "best_model.keras"
         super().__init__(filepath=filepath, monitor=monitor, verbose=verbose,
-                         save_best_only=True, save_weights_only=False, mode=mode,
+                         save_best_only=True, save_weights_only=save_weights_only, mode=mode,
                          save_freq=save_freq)
 
     def _save_model(self, epoch, batch, logs) -> None:
+        gossip.average_statistics(self.model, _local_ids(self.model))
         if runtime.rank() == 0:
             super()._save_model(epoch, batch, logs)
+
+
+def _local_ids(model) -> set:
+    """Ids of the variables registered local with the model's DistributedOptimizer."""
+    return set(getattr(_distributed(model), "_hvd_sgp_local", ()))
 
 
 class ConsensusCallback(keras.callbacks.Callback):
     """Exact average of the parameters over all ranks (GossipEngine.average_parameters):
     before each evaluation (``model.evaluate`` and fit's validation), at the end of every
-    ``every_epochs`` epochs (put it before a checkpoint callback), and at the end of training.
-    Needs a model compiled with hvd.DistributedOptimizer."""
+    ``every_epochs`` epochs (put it before a checkpoint callback), and at the end of training;
+    the running statistics (BatchNorm's) with them. Needs a model compiled with
+    hvd.DistributedOptimizer."""
 
     def __init__(self, before_evaluation: bool = True, every_epochs: int = 0,
                  at_train_end: bool = True):
@@ -169,11 +218,7 @@ class ConsensusCallback(keras.callbacks.Callback):
         self.at_train_end = at_train_end
 
     def _average(self) -> None:
-        optimizer = getattr(self.model, "optimizer", None)
-        if not hasattr(optimizer, "average_parameters"):
-            raise SgpValueError("ConsensusCallback needs a model compiled with "
-                                "hvd.DistributedOptimizer")
-        optimizer.average_parameters()
+        sgp_optimizer(self.model, "ConsensusCallback").average_parameters(self.model)
 
     def on_test_begin(self, logs=None) -> None:
         if self.before_evaluation:
@@ -201,10 +246,7 @@ class SgpMetricsCallback(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None) -> None:
         if logs is None:
             return
-        optimizer = getattr(self.model, "optimizer", None)
-        if not hasattr(optimizer, "consensus_metrics"):
-            raise SgpValueError("SgpMetricsCallback needs a model compiled with "
-                                "hvd.DistributedOptimizer")
+        optimizer = sgp_optimizer(self.model, "SgpMetricsCallback")
         figures = optimizer.metrics()
         logs.update({"sgp_weight": figures["weight"],
                      "sgp_wait_seconds": figures["total_wait_seconds"],
