@@ -189,10 +189,13 @@ def check_collectives() -> None:
                  hvd.broadcast_object({"a": r}, root_rank=0) == {"a": 0}
                  and hvd.allgather_object(r) == list(range(n)) and 0 <= hvd.join() < n
                  and hvd.barrier() is None)
-    checks.verify("keras allreduce/allgather/broadcast return numpy",
-                 np.allclose(hvdk.allreduce(np.float32(r)), (n - 1) / 2)
-                 and hvdk.allgather(np.array([r])).tolist() == list(range(n))
-                 and float(hvdk.broadcast(np.float32(r), 0)) == 0.0)
+    checks.verify("keras allreduce/allgather/broadcast/reducescatter return tf tensors, as "
+                  "Horovod's",
+                  np.allclose(hvdk.allreduce(np.float32(r)).numpy(), (n - 1) / 2)
+                  and hvdk.allgather(np.array([r])).numpy().tolist() == list(range(n))
+                  and float(hvdk.broadcast(np.float32(r), 0).numpy()) == 0.0
+                  and hvdk.reducescatter(np.ones((n, 2), np.float32) * r).numpy().tolist()
+                  == [[(n - 1) / 2] * 2])
 
 
 def small_model(seed: int, width: int = 16) -> tf.keras.Model:
@@ -355,6 +358,27 @@ def exact_equivalence(label: str = "", full: bool = True) -> None:
 @checks
 def check_exact_equivalence() -> None:
     exact_equivalence()
+
+
+class HalfCompressor:
+    """A script's own compressor in Horovod's interface (not one of hvd.Compression's)."""
+
+    @staticmethod
+    def compress(tensor):
+        return tf.cast(tensor, tf.float16), tensor.dtype
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tf.cast(tensor, ctx)
+
+
+@checks
+def check_custom_compressor() -> None:
+    custom, _ = sgp_custom_loop(4, 0.1, 0.9, use_tape=False, compression=HalfCompressor)
+    fp16, _ = sgp_custom_loop(4, 0.1, 0.9, use_tape=False, compression=hvd.Compression.fp16)
+    diff = max_diff(custom, fp16)
+    checks.verify("a script's own Horovod Compressor gossips as the fp16 wire does",
+                  diff == 0.0, f"max |diff| {diff:.2e}")
 
 
 @checks

@@ -19,7 +19,7 @@ def test_two_rank_nodes_average_inside_and_gossip_across():
     out = run_mpi(4, "torch_checks.py", "check_complete_equals_allreduce",
                   "check_state_dict_and_consensus", "check_regression", "check_placements",
                   "check_node_groups_in_a_user_world", "check_mixed_precision",
-                  "check_sparse_gradients",
+                  "check_sparse_gradients", "check_process_set_optimizer",
                   env={"HVD_SGP_LOCAL_SIZE": "2"}).stdout
     assert "all torch checks passed on 4 ranks" in out
 

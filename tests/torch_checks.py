@@ -9,7 +9,7 @@ import warnings
 import torch
 
 import hvd_sgp.torch as hvd
-from hvd_sgp.common.errors import ConsistencyError, ScheduleError
+from hvd_sgp.common.errors import ConsistencyError, ScheduleError, SgpValueError
 from mpi_checks import Checks, expect_error
 
 hvd.init()
@@ -440,6 +440,67 @@ def check_mixed_precision():
     return "GradScaler: an overflowing node skips its update, gossips on, scale agreed in-node"
 
 
+@checks.when(n >= 2)
+def check_process_set_optimizer():
+    """DistributedOptimizer(process_set=...): it trains over the set's ranks only (here each
+    half its own model, exactly averaged with mode='allreduce', gossiped by default), and a
+    rank outside the set trains alone, as under Horovod."""
+    evens, odds = list(range(0, n, 2)), list(range(1, n, 2))
+    sets = hvd.add_process_set(evens), hvd.add_process_set(odds)
+    mine = sets[me % 2]
+    try:
+        for mode in ("allreduce", "sgp"):
+            model = mlp(70)
+            opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           process_set=mine, mode=mode, topology="complete")
+            train_steps(opt, model, 3, seed=71)
+            mine_models = hvd.allgather(flat(model)[None], process_set=mine)
+            assert all(torch.allclose(m, mine_models[0], atol=1e-6) for m in mine_models), mode
+            everyone = hvd.allgather(flat(model)[None])
+            assert n < 2 or not torch.allclose(everyone[0], everyone[1]), mode
+            assert opt.metrics()["iteration"] == 3
+        model = mlp(72)  # ranks outside the set step alone
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       process_set=sets[0], mode="allreduce")
+        train_steps(opt, model, 2, seed=73)
+        everyone = hvd.allgather(flat(model)[None])
+        odd = [everyone[r] for r in odds]
+        assert all(not torch.allclose(odd[0], other) for other in odd[1:])
+    finally:
+        hvd.remove_process_set(sets[1])
+        hvd.remove_process_set(sets[0])
+    return "process_set=: each set trains its own model; ranks outside train alone"
+
+
+class HalfCompressor:
+    """A script's own compressor in Horovod's interface (not one of hvd.Compression's)."""
+
+    @staticmethod
+    def compress(tensor):
+        return tensor.to(torch.float16), tensor.dtype
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor.to(ctx)
+
+
+@checks
+def check_custom_compressor():
+    """A Horovod Compressor of the script's own is the gossip codec: the same rounding as the
+    built-in fp16 wire, so the same models; a non-compressor is refused on every rank."""
+    models = {}
+    for name, compression in {"custom": HalfCompressor, "fp16": hvd.Compression.fp16}.items():
+        model = mlp(60 + hvd.cross_rank())
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                       compression=compression)
+        train_steps(opt, model, 4, seed=61)
+        models[name] = flat(model)
+    assert torch.equal(models["custom"], models["fp16"]), (models["custom"] - models["fp16"])
+    expect_error(SgpValueError, lambda: hvd.DistributedOptimizer(
+        torch.optim.SGD(mlp(0).parameters(), lr=0.1), compression="fp16"))
+    return "a script's own Horovod Compressor gossips as the fp16 wire does"
+
+
 @checks
 def check_batchnorm_statistics():
     """BatchNorm running statistics are not parameters, so SGP does not mix them;
@@ -462,14 +523,16 @@ def check_batchnorm_statistics():
 @checks
 def check_sparse_gradients():
     """Embedding(sparse=True) gradients: averaged where they must be (mode='allreduce' here,
-    and in-node with several ranks per node), handed back sparse to SGD or dense to Adam with
-    sparse_as_dense=True; the model equals the same run with a dense embedding."""
-    def run(sparse, optimizer, **kwargs):
+    and in-node with several ranks per node) and handed back sparse, as Horovod's
+    sparse_as_dense=True does; the model equals the same run with a dense embedding."""
+    def run(sparse, optimizer, embedding_only=False, **kwargs):
         torch.manual_seed(90)
         model = torch.nn.Sequential(torch.nn.EmbeddingBag(20, 4, mode="sum", sparse=sparse),
                                     torch.nn.Linear(4, 1))
-        opt = hvd.DistributedOptimizer(optimizer(model.parameters()), mode="allreduce",
-                                       **kwargs)
+        if embedding_only:  # for SparseAdam, which takes sparse gradients only
+            model[1] = torch.nn.Linear(4, 1).requires_grad_(False)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = hvd.DistributedOptimizer(optimizer(params), mode="allreduce", **kwargs)
         gen = torch.Generator().manual_seed(91 + me)
         for _ in range(4):
             opt.zero_grad()
@@ -481,8 +544,10 @@ def check_sparse_gradients():
     sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
     adam = lambda params: torch.optim.Adam(params, lr=0.01)  # noqa: E731
     assert torch.allclose(run(True, sgd), run(False, sgd), atol=1e-6)
-    assert torch.allclose(run(True, adam, sparse_as_dense=True), run(False, adam), atol=1e-6)
-    return "sparse gradients averaged and handed back sparse, or dense with sparse_as_dense"
+    sparse_adam = lambda params: torch.optim.SparseAdam(list(params), lr=0.01)  # noqa: E731
+    assert torch.equal(run(True, sparse_adam, True, sparse_as_dense=True),
+                       run(True, sparse_adam, True))
+    return "sparse gradients averaged and handed back sparse (also with sparse_as_dense)"
 
 
 @checks.when(hvd.local_size() > 1)

@@ -8,6 +8,7 @@ per optimizer, and mixes ``GossipMethods`` into its optimizer class.
 """
 from __future__ import annotations
 
+import gc
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -15,11 +16,14 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from hvd_sgp.common import options as sgp_options
-from hvd_sgp.common import collectives, runtime
-from hvd_sgp.common.codecs import Codec, codec as make_codec
-from hvd_sgp.common.collectives import ReduceOp
+from hvd_sgp.common import runtime
+from hvd_sgp.common.codecs import Codec
 from hvd_sgp.common.engine import BufferAccess, GossipEngine, StepPlan
-from hvd_sgp.common.errors import NotInitializedError, OptionError, SgpValueError
+from hvd_sgp.common.errors import NotInitializedError, SgpValueError
+from hvd_sgp.common.horovod_api import collectives, join, process_sets
+from hvd_sgp.common.horovod_api.collectives import ReduceOp
+from hvd_sgp.common.horovod_api.compression import Tensors, gossip_codec
+from hvd_sgp.common.mpi import MPI
 
 
 @dataclass(frozen=True)
@@ -29,12 +33,16 @@ class Settings:
     options: Any  # options.SgpOptions
     codec: Codec
     sum_gradients: bool  # op=Sum: Horovod's sum over ranks, n times the average
+    layout: Optional[runtime.Layout] = None  # a process set's ranks (None: the world's)
 
 
 def settings(op: Any, compression: Any, sgp: dict, gradient_predivide_factor: float = 1.0,
-             backward_passes_per_step: int = 1) -> Settings:
+             backward_passes_per_step: int = 1, tensors: Optional[Tensors] = None,
+             process_set: Any = None) -> Settings:
     """Check Horovod's DistributedOptimizer arguments and resolve the SGP options (keywords,
-    then HVD_SGP_* variables, then defaults); the same rules and messages in every framework."""
+    then HVD_SGP_* variables, then defaults); the same rules and messages in every framework.
+    ``tensors``: the framework's numpy conversions, for a script's own Compressor. With a
+    ``process_set`` other than the global one, every rank calls it (a collective)."""
     if not runtime.is_initialized():
         raise NotInitializedError()
     if op == ReduceOp.Adasum:
@@ -48,24 +56,21 @@ def settings(op: Any, compression: Any, sgp: dict, gradient_predivide_factor: fl
     if backward_passes_per_step < 1:
         raise SgpValueError(f"backward_passes_per_step must be >= 1, got "
                             f"{backward_passes_per_step}")
-    return Settings(sgp_options.resolve(**sgp), gossip_codec(compression), op == ReduceOp.Sum)
+    return Settings(sgp_options.resolve(**sgp), gossip_codec(compression, tensors),
+                    op == ReduceOp.Sum, process_set_layout(process_set))
 
 
-def gossip_codec(compression: Any) -> Codec:
-    """The codec named by Horovod's ``compression=``; where the script asks for none
-    (``Compression.none``, or nothing), ``HVD_SGP_COMPRESSION`` may name one."""
-    wire = getattr(compression, "wire", None)
-    if wire is None:
-        raise SgpValueError(f"compression must be one of hvd.Compression's choices, got "
-                            f"{compression!r}")
-    if wire != "none":
-        return make_codec(wire)
-    variable = sgp_options.BY_NAME["compression"].env
-    spec = sgp_options.from_environment("compression")
-    try:
-        return make_codec(spec)
-    except OptionError as error:
-        raise OptionError(f"{variable}={spec!r}: {str(error).split(': ', 1)[-1]}") from None
+def process_set_layout(process_set: Any) -> Optional[runtime.Layout]:
+    """Where an optimizer restricted to a process set trains: SGP over the set's ranks (nodes
+    as the world's, within the set), and alone on the ranks outside it, whose steps are
+    local as under Horovod's optimizer outside its set. None for the global set."""
+    if process_set is None or process_set is process_sets.global_process_set:
+        return None
+    comm = process_sets.process_set_comm(process_set)
+    if comm is None:
+        alone = MPI.COMM_SELF.Dup()
+        return runtime.Layout(alone, alone.Dup(), alone.Dup())
+    return runtime.split(comm.Dup())
 
 
 class SgpSession:
@@ -81,6 +86,12 @@ class SgpSession:
         self.signature = list(signature)
         self._engine: Optional[GossipEngine] = None
         self._epoch = 0
+        _JoinServer.add(self)
+
+    @property
+    def layout(self) -> runtime.Layout:
+        """The ranks this optimizer trains with: the world, or its process set."""
+        return self.settings.layout or runtime.layout()
 
     @property
     def started(self) -> bool:
@@ -91,7 +102,7 @@ class SgpSession:
         the same point; it compares parameters and options across ranks)."""
         if self._engine is None:
             self._engine = GossipEngine(self.buffers, self.settings.options, self.signature,
-                                        self.settings.codec, self.access)
+                                        self.settings.codec, self.access, self.layout)
             self._engine.set_epoch(self._epoch)
         return self._engine
 
@@ -112,7 +123,7 @@ class SgpSession:
         """The factor on this rank's gradients before ``reduce_gradients`` sums them over
         ``plan.ranks`` (or, without a reduction, the factor on them in place): 1 / ranks makes
         the sum an average, and Horovod's op=Sum is n times the average."""
-        total = float(runtime.size()) if self.settings.sum_gradients else 1.0
+        total = float(self.layout.world.Get_size()) if self.settings.sum_gradients else 1.0
         return total / (plan.ranks if plan is not None else 1)
 
     def reduce_gradients(self, grads, sum_in_node: Optional[Callable] = None) -> None:
@@ -153,9 +164,58 @@ class SgpSession:
         self.engine.load_state(state)
         self._epoch = self.engine.epoch
 
+    @property
+    def closed(self) -> bool:
+        return self._engine is not None and self._engine.closed
+
     def close(self) -> None:
         if self._engine is not None:
             self._engine.close()
+
+
+class _JoinServer:
+    """``join()``'s participant (horovod_api.join) for every SGP session of this process: a
+    rank out of data keeps stepping its optimizers with zero gradients, its own parameters
+    and its own weight, so the peers' gradient sums count only the ranks with data and their
+    gossip rounds find a partner. Sessions are held weakly (a dropped optimizer is not
+    served; join() collects garbage first so that every rank serves the same ones). Several
+    optimizers must step equally often: one iteration count is agreed for all."""
+
+    instance: Optional["_JoinServer"] = None
+
+    def __init__(self) -> None:
+        self.sessions: list[weakref.ref] = []
+        self.collected = False
+
+    @classmethod
+    def add(cls, session: "SgpSession") -> None:
+        if cls.instance is None:
+            cls.instance = cls()
+            join.register_join_participant(cls.instance)
+        cls.instance.sessions.append(weakref.ref(session))
+
+    def live(self) -> list["SgpSession"]:
+        if not self.collected:
+            gc.collect()
+            self.collected = True
+        self.sessions = [ref for ref in self.sessions if ref() is not None]
+        return [s for s in (ref() for ref in self.sessions) if s is not None and not s.closed]
+
+    def serve(self, poll: Callable[[], object]) -> bool:
+        served = False
+        for session in self.live():
+            served |= session.engine.serve(poll)
+        return served
+
+    def started_iteration(self) -> int:
+        return max([s.engine.started_iteration() for s in self.live() if s.started], default=0)
+
+    def finish(self, last: int, poll: Callable[[], object]) -> None:
+        try:
+            for session in self.live():
+                session.engine.finish(last, poll)
+        finally:
+            self.collected = False
 
 
 class GossipMethods:

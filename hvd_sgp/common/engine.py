@@ -24,7 +24,11 @@ averaged over the world instead). Lossy codecs gossip through compressed PushSum
 from __future__ import annotations
 
 import atexit
+import inspect
 import sys
+import threading
+import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, Sequence, TypeVar
 
@@ -34,7 +38,7 @@ from hvd_sgp.common import runtime, schedule, telemetry
 from hvd_sgp.common.arrays import kit_for
 from hvd_sgp.common.choco import ChocoMixer, ChocoOverlapMixer
 from hvd_sgp.common.codecs import Codec, codec as make_codec
-from hvd_sgp.common.errors import ConsistencyError, SgpValueError
+from hvd_sgp.common.errors import ConsistencyError, PeerTimeoutError, SgpValueError
 from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.node import NodeShard, average_arrays, exact_average
 from hvd_sgp.common.options import SgpOptions
@@ -75,13 +79,13 @@ class GossipEngine:
     """SGP state of one optimizer on this rank."""
 
     def __init__(self, buffers: Sequence, options: SgpOptions, signature: Sequence[tuple],
-                 codec: "str | Codec" = "none", access: BufferAccess = DirectAccess()):
+                 codec: "str | Codec" = "none", access: BufferAccess = DirectAccess(),
+                 layout: Optional[runtime.Layout] = None):
         self.options = options
         self.buffers = list(buffers)
         self.access = access
-        self.world = runtime.world_comm()
-        self.local = runtime.local_comm()
-        self.cross = runtime.cross_comm()
+        layout = layout or runtime.layout()  # the world's, or a process set's
+        self.world, self.local, self.cross = layout.world, layout.local, layout.cross
         self.codec = make_codec(codec)
         check_consistent(self.world, [tuple(map(str, s)) for s in signature],
                          options.describe() + (self.codec.spec,))
@@ -112,6 +116,12 @@ class GossipEngine:
         self._optimizer_state: Callable[[], Sequence] = tuple  # the adapter's, for serving
         self._serving = False  # this rank has joined: it contributes nothing to gradients
         self._zeros: list = []  # zero gradient buffers that a joined rank contributes
+        self._sum_in_node: Optional[Callable] = None  # the peers' in-node sum (NCCL), reused
+        self._joined_group: Optional[MPI.Comm] = None  # some of its ranks served this step
+        self._resync_source: Optional[tuple] = None  # (group, rank) that re-synced them
+        self._server: Optional[threading.Thread] = None  # the served step in progress
+        self._server_failure: Optional[BaseException] = None
+        self._serve_target = 0  # the step the joined rank has begun serving
         self._enter(schedule.current(self.stages, 0, 0))
         if self.cross.Get_size() == 1 and self.world.Get_size() > 1 and self.world.Get_rank() == 0:
             print(f"hvd_sgp: all {self.world.Get_size()} ranks share one node, so gradients are "
@@ -189,7 +199,7 @@ class GossipEngine:
         returns (momentum, Adam moments: arrays of any registered kit), in place on every rank,
         so that all ranks take the same steps from there on.
         """
-        self._optimizer_state = optimizer_state
+        self._optimizer_state = _weakly(optimizer_state)
         wanted = schedule.current(self.stages, self.epoch, self.steps)
         entered = False
         if wanted != self.stage:
@@ -212,6 +222,10 @@ class GossipEngine:
         if ranks == 1:
             return
         grads[-1] = 0.0 if self._serving else 1.0 / ranks  # this rank's share of the sum
+        if self._serving:
+            sum_in_node = self._sum_in_node  # a joined rank sums as its peers do
+        else:
+            self._sum_in_node = sum_in_node
         if sum_in_node is not None and not world:
             sum_in_node(grads)
         else:
@@ -220,6 +234,7 @@ class GossipEngine:
         share = float(grads[-1])
         if 0.0 < share < 1.0 - 1e-6:
             grads[:-1] /= share
+            self._joined_group = comm  # the joined ranks of this group are re-synced
 
     def end_step(self, lr: float = 0.0) -> None:
         """The exchange that follows each local step (``lr``: for the consensus metrics)."""
@@ -230,6 +245,8 @@ class GossipEngine:
         if self.steps == 0 and self.cross.Get_size() == 1:
             for buf in self.buffers:  # once: local ranks whose start was not broadcast agree
                 NodeShard(buf, self.local).gather()
+        if self._joined_group is not None:
+            self._resync(self._joined_group)
         self.steps += 1
         mixers = self.mixers if self.outer.exchanges(self.steps) else []
         if self.timeline is not None:
@@ -246,16 +263,34 @@ class GossipEngine:
             self.metrics_log.record(self.steps, self.parameters(), float(self.buffers[0][-1]), lr)
 
     # --- join(): a rank out of data serves its peers ---------------------------------------
+    # While this rank is joined, each served step (schedule, zero gradients where the peers
+    # sum theirs, the exchange of its own parameters and weight) runs on a thread: it blocks
+    # in MPI until the peers take that step, and meanwhile join() must keep serving the
+    # negotiated collectives, and learn when every rank has joined. A step begun then is
+    # counted in started_iteration, so every rank's finish() takes it too.
     def started_iteration(self) -> int:
-        """Exchanges this rank has started (the join protocol's agreement)."""
-        return self.steps
+        """Steps this rank has begun (the join protocol's agreement)."""
+        return max(self.steps, self._serve_target)
 
     def serve(self, poll: Callable[[], object]) -> bool:
-        """One step with no local update, while this rank is joined: the schedule, zero
-        gradients where the others reduce theirs, and the exchange (own parameters and
-        weight), calling ``poll`` while waiting so that negotiated collectives are served."""
+        """Begin one served step, or report whether the one running has ended (no wait)."""
+        if self._server is not None:
+            if self._server.is_alive():
+                return False
+            self._end_served_step()
+            return True
         self._serving = True
-        self.transport.idle = poll
+        self._serve_target = self.steps + 1
+        if not runtime.mpi_threads_supported():  # no MPI from two threads: serve in line
+            self._served_step()
+            self._end_served_step()
+            return True
+        self._server = threading.Thread(target=self._served_step, daemon=True,
+                                        name="hvd_sgp join server")
+        self._server.start()
+        return True
+
+    def _served_step(self) -> None:
         try:
             plan = self.begin_step(self._optimizer_state)
             if plan.reduce:
@@ -265,21 +300,74 @@ class GossipEngine:
                     zeros[...] = 0
                     self.reduce_gradients(zeros)
             self.end_step()
-        finally:
-            self.transport.idle = None
-        return True
+        except BaseException as error:  # noqa: B902 (raised again on join()'s thread)
+            self._server_failure = error
+
+    def _end_served_step(self) -> None:
+        self._server = None
+        failure, self._server_failure = self._server_failure, None
+        if failure is not None:
+            raise failure
 
     def finish(self, last: int, poll: Callable[[], object]) -> None:
         """Serve up to iteration ``last`` (agreed by every rank), then drain: every rank
-        leaves join() having summed in the same messages."""
-        while self.steps < last:
-            self.serve(poll)
-        self.transport.idle = poll
+        leaves join() having summed in the same messages. Ranks that served are re-synced
+        with the ones that updated where a group shares one model."""
+        self._serving = True
         try:
+            if self._server is not None:
+                deadline = time.monotonic() + self.transport.timeout
+                while self._server.is_alive():
+                    if time.monotonic() > deadline:
+                        raise PeerTimeoutError(
+                            f"a joined rank waited {self.transport.timeout:.0f} s for its "
+                            f"peers to take step {self._serve_target} (HVD_SGP_TIMEOUT)")
+                    poll()
+                    self._server.join(1e-3)
+                self._end_served_step()
+            while self.steps < last:
+                self._served_step()
+                self._end_served_step()
             self.drain()
         finally:
-            self.transport.idle = None
-            self._serving = False
+            self._serving, self._serve_target = False, 0
+        if self._resync_source is not None:
+            self._live(self._resync_optimizer_state)
+
+    def _wait(self, request: MPI.Request, what: str) -> None:
+        """Wait for a non-blocking collective within HVD_SGP_TIMEOUT."""
+        deadline, pause = time.monotonic() + self.transport.timeout, 2e-6
+        while not request.Test():
+            if time.monotonic() > deadline:
+                raise PeerTimeoutError(f"waited {self.transport.timeout:.0f} s at iteration "
+                                       f"{self.steps} for the {what} (HVD_SGP_TIMEOUT)")
+            time.sleep(pause)
+            pause = min(pause * 2, 5e-4)
+
+    def _resync(self, comm: MPI.Comm) -> None:
+        """After a step where some ranks of ``comm`` had joined: those ranks did not update,
+        so the lowest rank that did sends its parameters (which every rank that updated
+        shares) to the group, before shards are mixed or gathered."""
+        mine = np.array([comm.Get_size() if self._serving else comm.Get_rank()], np.int64)
+        self._wait(comm.Iallreduce(MPI.IN_PLACE, mine, op=MPI.MIN), "join re-sync")
+        self._joined_group, self._resync_source = None, (comm, int(mine[0]))
+        for buf in self.buffers:  # not the weight: under Overlap SGP each rank has its own
+            with kit_for(buf).for_mpi(buf) as view:
+                self._wait(comm.Ibcast(view[:-1], root=int(mine[0])), "join re-sync")
+
+    def _resync_optimizer_state(self) -> None:
+        """At the end of join(): the optimizer state (momentum, moments) of the ranks that
+        served is the updating ranks' too (ranks that never stepped have none to receive)."""
+        comm, root = self._resync_source
+        self._resync_source = None
+        arrays = list(self._optimizer_state())
+        layouts = comm.allgather([(str(kit_for(a).numpy_dtype(a)), tuple(a.shape))
+                                  for a in arrays])
+        if any(other != layouts[root] for other in layouts):
+            return
+        for array in arrays:
+            with kit_for(array).for_mpi(array) as view:
+                comm.Bcast(view, root=root)
 
     def parameters(self) -> np.ndarray:
         """All de-biased parameters as one host vector (a view for one numpy buffer)."""
@@ -352,6 +440,10 @@ class GossipEngine:
                 "mode": self.stage.mode, "overlap": self.stage.overlap,
                 "codec_seconds": sum(getattr(m, "codec_seconds", 0.0) for m in self.mixers)}
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         """Stop the progress thread and release the communicator (no communication: it also
         runs when the optimizer is collected, on one rank only)."""
@@ -363,6 +455,15 @@ class GossipEngine:
         if self.progress is not None:
             self.progress.close()
         self.transport.free()
+
+
+def _weakly(function: Callable[[], Sequence]) -> Callable[[], Sequence]:
+    """``function`` without keeping its object alive: the engine outlives no optimizer (its
+    close runs when the optimizer is collected)."""
+    if not inspect.ismethod(function):
+        return function
+    method = weakref.WeakMethod(function)
+    return lambda: method()() if method() is not None else ()
 
 
 def describe_run(options: SgpOptions, codec: Codec = Codec()) -> str:

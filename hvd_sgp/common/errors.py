@@ -64,3 +64,21 @@ class NotInitializedError(SgpValueError):
 
     def __init__(self) -> None:
         super().__init__("hvd_sgp has not been initialized; call hvd.init() first.")
+
+
+class HorovodInternalError(SgpError):
+    """A Horovod-API collective failed on every rank of its process set: the ranks disagreed
+    on it, a rank had already joined, or a rank timed out (Horovod's class of the same name,
+    so elastic scripts that catch it keep working)."""
+
+
+class CollectiveTimeoutError(HorovodInternalError, PeerTimeoutError):
+    """A Horovod-API collective waited past HVD_SGP_TIMEOUT for the ranks it names."""
+
+
+class HostsUpdatedInterrupt(SgpError):
+    """Horovod's elastic interrupt: the set of hosts changed (``skip_sync`` as in Horovod)."""
+
+    def __init__(self, skip_sync: bool = False):
+        super().__init__("the set of hosts in the job has changed")
+        self.skip_sync = skip_sync

@@ -82,22 +82,43 @@ def init(comm: Optional[MPI.Comm] = None) -> None:
         return
     if not MPI.Is_initialized():
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
-    base = MPI.COMM_WORLD if comm is None else comm
-    world = base.Dup()
-    local = _local_split(world)
-    cross = world.Split(local.Get_rank(), key=world.Get_rank())
-    _state = _State(world, local, cross, MPI.Query_thread())
-    _check_uniform_nodes()
+    world = split((MPI.COMM_WORLD if comm is None else comm).Dup())
+    _state = _State(world.world, world.local, world.cross, MPI.Query_thread())
     _abort_on_uncaught_errors()
 
 
-def _check_uniform_nodes() -> None:
-    sizes = _state.world.allgather(_state.local.Get_size())
+@dataclass(frozen=True)
+class Layout:
+    """A group of ranks as SGP sees it: all of them, this rank's node, and the ranks with this
+    local rank on every node (the whole world, or a Horovod process set's ranks)."""
+
+    world: MPI.Comm
+    local: MPI.Comm
+    cross: MPI.Comm
+
+    def free(self) -> None:
+        for comm in (self.cross, self.local, self.world):
+            if not MPI.Is_finalized():
+                comm.Free()
+
+
+def split(world: MPI.Comm) -> Layout:
+    """Nodes and cross-node groups of ``world`` (collective over it; ``world`` is kept)."""
+    local = _local_split(world)
+    cross = world.Split(local.Get_rank(), key=world.Get_rank())
+    sizes = world.allgather(local.Get_size())
     if len(set(sizes)) != 1:
         raise SgpValueError(
             f"nodes have different numbers of ranks {sorted(set(sizes))}; hvd_sgp needs the same "
             "number of ranks on every node (or set HVD_SGP_LOCAL_SIZE)"
         )
+    return Layout(world, local, cross)
+
+
+def layout() -> Layout:
+    """The world's layout."""
+    state = _require()
+    return Layout(state.world, state.local, state.cross)
 
 
 def shutdown() -> None:

@@ -102,7 +102,7 @@ class Timeline:
         self._compute_from: Optional[float] = None
 
     @staticmethod
-    def _now_us() -> float:
+    def now_us() -> float:
         return time.time() * 1e6  # wall clock: the ranks' rows line up
 
     def event(self, name: str, start_us: float, end_us: float, **args) -> None:
@@ -113,20 +113,20 @@ class Timeline:
 
     def ended_now(self, name: str, seconds: float, **args) -> None:
         """An event that lasted ``seconds`` and just ended (waits measured elsewhere)."""
-        now = self._now_us()
+        now = self.now_us()
         self.event(name, now - seconds * 1e6, now, **args)
 
     @contextmanager
     def span(self, name: str, **args) -> Iterator[None]:
-        start = self._now_us()
+        start = self.now_us()
         try:
             yield
         finally:
-            self.event(name, start, self._now_us(), **args)
+            self.event(name, start, self.now_us(), **args)
 
     def step_boundary(self, step: int) -> None:
         """Close the compute span that ran since the previous exchange."""
-        now = self._now_us()
+        now = self.now_us()
         if self._compute_from is not None:
             self.event("compute", self._compute_from, now, step=step)
         self._compute_from = now
@@ -137,7 +137,7 @@ class Timeline:
                 self._file.write(json.dumps(record) + ",\n")
 
     def resume_compute(self) -> None:
-        self._compute_from = self._now_us()
+        self._compute_from = self.now_us()
 
     def close(self) -> None:
         with self._lock:
@@ -184,7 +184,10 @@ def merge_timeline(path: str) -> int:
 
 
 def timeline_path() -> Optional[str]:
-    return os.environ.get("HVD_SGP_TIMELINE") or os.environ.get("HOROVOD_TIMELINE") or None
+    """The file named by HVD_SGP_TIMELINE or HOROVOD_TIMELINE; Horovod's "DYNAMIC" means none
+    until hvd.start_timeline()."""
+    path = os.environ.get("HVD_SGP_TIMELINE") or os.environ.get("HOROVOD_TIMELINE") or None
+    return None if path == "DYNAMIC" else path
 
 
 def marks_cycles() -> bool:

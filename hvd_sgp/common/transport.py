@@ -129,7 +129,6 @@ class PeerTransport:
         # errors name peers by world rank, whatever communicator (cross-node) carries them
         self.world_ranks = self.comm.allgather(MPI.COMM_WORLD.Get_rank())
         self.timeline = None  # a telemetry.Timeline records the waits when set
-        self.idle: Callable[[], object] | None = None  # called while waiting (join() serving)
 
     def start(self, iteration: int, sends: Sequence[tuple[int, Any]],
               receives: Sequence[tuple[int, Any]]) -> Pending:
@@ -158,8 +157,6 @@ class PeerTransport:
             pause = 2e-6
             while not MPI.Request.Testall(pending.requests):
                 deadline.check(lambda: [not req.Test() for req in pending.requests])
-                if self.idle is not None:
-                    self.idle()
                 time.sleep(pause)
                 pause = min(pause * 2, 5e-4)
         self.record_wait(pending, began)
@@ -244,15 +241,10 @@ class Progress:
     def _wait(self, pending: Pending, ready) -> None:
         began = time.monotonic()
         deadline = Deadline(self.transport, pending, began)
-        idle = self.transport.idle
-        while True:
-            with self._cond:
-                if ready(pending):
-                    break
+        with self._cond:
+            while not ready(pending):
                 deadline.check(lambda: [not done for done in pending.complete])
-                self._cond.wait(0.5 if idle is None else 1e-3)
-            if idle is not None:
-                idle()  # outside the lock: the thread keeps recording completions
+                self._cond.wait(0.5)
         self.transport.record_wait(pending, began)
 
     def close(self) -> None:

@@ -15,4 +15,7 @@ Compression, _classes = namespace(
     {"float16": tf.float16, "bfloat16": tf.bfloat16})
 globals().update(_classes)  # NoneCompressor, FP16Compressor, ... as horovod.tensorflow.compression
 
+# numpy <-> tensors, for a script's own Compressor used as the gossip codec
+TENSORS = (tf.constant, lambda tensor: tensor.numpy())
+
 __all__ = ["Compression", "Compressor", *_classes]

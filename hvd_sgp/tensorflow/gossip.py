@@ -84,7 +84,7 @@ class VariableGossip:
         grads = [bridge.dense(g) for g in grads]
         options = self.session.settings.options
         scheduled = bool(options.schedule)
-        if options.mode == "allreduce" or scheduled or runtime.local_size() > 1:
+        if options.mode == "allreduce" or scheduled or self.session.layout.local.Get_size() > 1:
             return self._reduce(grads, list(state) if scheduled else [])
         scale = self.session.gradient_scale()
         if scale != 1.0:
@@ -215,14 +215,14 @@ def finite_everywhere(grads: Sequence) -> list:
             for g in grads]
 
 
-def average_statistics(model, local: Collection[int] = ()) -> None:
+def average_statistics(model, local: Collection[int] = (), comm=None) -> None:
     """Replace the model's running statistics (its non-trainable floating-point variables:
-    BatchNorm's moving mean and variance) by their exact average over all ranks; variables
-    whose id is in ``local`` stay as they are. Eager; every rank calls it."""
+    BatchNorm's moving mean and variance) by their exact average over all ranks (of ``comm``);
+    variables whose id is in ``local`` stay as they are. Eager; every rank calls it."""
     variables = [v for v in model.non_trainable_variables
                  if tf.as_dtype(v.dtype).is_floating and id(v) not in local]
     values = [np.array(v.numpy()) for v in variables]
-    average_arrays(values, runtime.world_comm())
+    average_arrays(values, runtime.world_comm() if comm is None else comm)
     for variable, value in zip(variables, values):
         variable.assign(value)
 

@@ -20,8 +20,9 @@ from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.common.options import keyword_help
 from hvd_sgp.tensorflow import gossip
 from hvd_sgp.tensorflow.optimizer import check_groups, local_layer_variables
+from hvd_sgp.tensorflow import compression as compression_module
 from hvd_sgp.tensorflow.compression import Compression
-from hvd_sgp.tensorflow.mpi_ops import Average, check_process_set, global_process_set
+from hvd_sgp.tensorflow.mpi_ops import Average, global_process_set
 
 
 class _DistributedTapeMixin:
@@ -72,11 +73,11 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",
     The sources passed to ``gradient()`` must be variables (they are mixed in place); the
     gossip state belongs to that list of variables, so the first tape's SGP options stand.
     """
-    check_process_set(process_set)
     if gradient_predivide_factor != 1.0 and op != Average:
         raise SgpValueError("gradient_predivide_factor not supported with op != Average")
     check_groups(num_groups, groups)
-    settings = adapter.settings(op, compression, sgp, gradient_predivide_factor)
+    settings = adapter.settings(op, compression, sgp, gradient_predivide_factor,
+                                tensors=compression_module.TENSORS, process_set=process_set)
     cls = type(gradtape)
     if cls not in _CLASSES:
         _CLASSES[cls] = type(cls.__name__, (_DistributedTapeMixin, cls), {})

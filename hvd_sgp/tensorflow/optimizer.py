@@ -36,9 +36,10 @@ from hvd_sgp.common import adapter
 from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.common.options import keyword_help
 from hvd_sgp.tensorflow import flavour, gossip
+from hvd_sgp.tensorflow import compression as compression_module
 from hvd_sgp.tensorflow.compression import Compression
 from hvd_sgp.tensorflow.gossip import VariableGossip
-from hvd_sgp.tensorflow.mpi_ops import Average, check_process_set, global_process_set
+from hvd_sgp.tensorflow.mpi_ops import Average, global_process_set
 
 
 class _SgpOptimizer(adapter.GossipMethods):
@@ -136,7 +137,8 @@ class _SgpOptimizer(adapter.GossipMethods):
             super().set_epoch(epoch)
 
     def _sgp_average_statistics(self, model) -> None:
-        gossip.average_statistics(model, self._hvd_sgp_local)  # local variables stay own
+        gossip.average_statistics(model, self._hvd_sgp_local,  # local variables stay own
+                                  self._sgp_session().layout.world)
 
     def _sgp_session(self) -> adapter.SgpSession:
         if self._hvd_sgp_gossip is None:
@@ -294,11 +296,10 @@ def DistributedOptimizer(optimizer, name: Optional[str] = None, device_dense: st
     and ``num_groups``/``groups`` are accepted and unneeded (gradients are always fused
     dense, one message per dtype).
     """
-    check_process_set(process_set)
     kind = flavour.family(optimizer)
     check_groups(num_groups, groups)
     config = adapter.settings(op, compression, sgp, gradient_predivide_factor,
-                              backward_passes_per_step)
+                              backward_passes_per_step, compression_module.TENSORS, process_set)
     if backward_passes_per_step > 1 and kind != flavour.KERAS3:
         raise SgpValueError("backward_passes_per_step > 1 needs a Keras 3 optimizer (its "
                             "gradient accumulation); tf_keras optimizers take one pass per step")

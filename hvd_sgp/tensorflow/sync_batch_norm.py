@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from hvd_sgp.common import collectives, runtime
-from hvd_sgp.common.collectives import ReduceOp
+from hvd_sgp.common import runtime
+from hvd_sgp.common.horovod_api import collectives
+from hvd_sgp.common.horovod_api.collectives import ReduceOp
 from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.tensorflow import bridge, flavour
 

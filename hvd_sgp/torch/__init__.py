@@ -9,10 +9,11 @@ from hvd_sgp.torch.functions import (allgather_object, broadcast_object,
 from hvd_sgp.torch.mpi_ops import *  # noqa: F401,F403  (Horovod's flat namespace)
 from hvd_sgp.torch.mpi_ops import __all__ as _ops
 from hvd_sgp.torch.optimizer import DistributedOptimizer
+from hvd_sgp.torch.sync_batch_norm import SyncBatchNorm
 from hvd_sgp.version import __version__
 
 __all__ = list(_ops) + [
     "Compression", "DistributedOptimizer", "allgather_object", "broadcast_object",
-    "broadcast_optimizer_state", "broadcast_parameters", "NotInitializedError",
+    "broadcast_optimizer_state", "broadcast_parameters", "SyncBatchNorm", "NotInitializedError",
     "PeerTimeoutError", "SgpError", "SgpValueError", "__version__",
 ]

@@ -16,4 +16,7 @@ Compression, _classes = namespace(
     {"float16": torch.float16, "bfloat16": torch.bfloat16})
 globals().update(_classes)  # NoneCompressor, FP16Compressor, ... as horovod.torch.compression
 
+# numpy <-> tensors, for a script's own Compressor used as the gossip codec
+TENSORS = (torch.from_numpy, lambda tensor: tensor.detach().cpu().numpy())
+
 __all__ = ["Compression", "Compressor", *_classes]

@@ -7,40 +7,48 @@ from typing import Any, Optional
 
 import torch
 
-from hvd_sgp.common import collectives
 from hvd_sgp.common.errors import SgpValueError
-from hvd_sgp.torch.mpi_ops import broadcast_, global_process_set
+from hvd_sgp.common.horovod_api import collectives
+from hvd_sgp.torch import optimizer as sgp_optimizer
+from hvd_sgp.torch.mpi_ops import _broadcast_handle, global_process_set, synchronize
 
 
 def broadcast_parameters(params, root_rank: int, process_set=global_process_set) -> None:
-    """Overwrite parameters (a state_dict or an iterable of (name, tensor)) with root's, in place."""
+    """Overwrite parameters with root's, in place, in one negotiated broadcast: a state_dict,
+    an iterable of (name, tensor) pairs (``model.named_parameters()``) or of tensors
+    (``model.parameters()``)."""
     if isinstance(params, dict):
-        items = sorted(params.items())
+        tensors = [p for _, p in sorted(params.items())]
     elif isinstance(params, collections.abc.Iterable):
         items = list(params)
+        tensors = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in items]
     else:
-        raise SgpValueError("broadcast_parameters takes a state_dict or an iterable of "
-                            f"(name, tensor) pairs, got {type(params).__name__}")
-    for name, p in items:
-        if p is None:
-            continue
-        if not isinstance(p, torch.Tensor):
-            raise SgpValueError(f"broadcast_parameters: entry {name!r} is not a tensor")
-        broadcast_(p.data if isinstance(p, torch.nn.Parameter) else p, root_rank,
-                   process_set=process_set)
+        raise SgpValueError("broadcast_parameters takes a state_dict, an iterable of "
+                            f"(name, tensor) pairs or of tensors, got {type(params).__name__}")
+    tensors = [p for p in tensors if p is not None]
+    bad = [type(p).__name__ for p in tensors if not isinstance(p, torch.Tensor)]
+    if bad:
+        raise SgpValueError(f"broadcast_parameters: expected tensors, got {bad[0]}")
+    if tensors:
+        synchronize(_broadcast_handle([p.data if isinstance(p, torch.nn.Parameter) else p
+                                       for p in tensors], root_rank, None, process_set, True))
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
+                              model: Optional[torch.nn.Module] = None,
                               process_set=global_process_set) -> None:
     """Give every rank root's optimizer state and hyper-parameters (lr, momentum, ...).
 
     The whole state_dict travels once, on the host: state entries that are tensors, scalars
-    or None all arrive as they were. SGP's own state (PushSum weight, iteration) stays local.
+    or None all arrive as they were, so ``model`` (Horovod uses it to find sparse parameters)
+    is not needed. SGP's own state (PushSum weight, iteration) stays local.
     """
     if isinstance(optimizer, torch.optim.LBFGS):
         raise SgpValueError("broadcast_optimizer_state does not support LBFGS (as in Horovod)")
     if isinstance(optimizer, torch.optim.SparseAdam):
         raise SgpValueError("broadcast_optimizer_state does not support SparseAdam")
+    if not optimizer.state_dict()["state"]:
+        _initialize_state(optimizer)
     state = optimizer.state_dict()
     state.pop("hvd_sgp", None)
     state = broadcast_object(_to_cpu(state), root_rank, process_set=process_set)
@@ -48,6 +56,21 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     if own is not None:
         state["hvd_sgp"] = own
     optimizer.load_state_dict(state)
+
+
+def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
+    """A new optimizer has no state yet: take one local step on zero gradients, as Horovod
+    does, so every rank holds state of root's structure to receive (the zero gradients stay,
+    as in Horovod). An SGP DistributedOptimizer takes its wrapped class's plain step: no
+    gossip, which would need every rank at once."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+    if type(optimizer).__module__ == sgp_optimizer.__name__:
+        super(type(optimizer), optimizer).step()
+    else:
+        optimizer.step()
 
 
 def _to_cpu(obj: Any) -> Any:
@@ -60,18 +83,23 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
+def _dumps(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
                      process_set=global_process_set) -> Any:
-    """Any picklable object from root (torch.save, so tensors travel as tensors)."""
-    payload = None
-    if collectives.runtime.rank() == root_rank:
-        buffer = io.BytesIO()
-        torch.save(obj, buffer)
-        payload = buffer.getvalue()
-    payload = collectives.broadcast_object(payload, root_rank)
-    return torch.load(io.BytesIO(payload), weights_only=False)
+    """Any picklable object from the global rank ``root_rank`` (torch.save, so tensors travel
+    as tensors)."""
+    return collectives.broadcast_object(obj, root_rank, name, process_set, _dumps, _loads)
 
 
 def allgather_object(obj: Any, name: Optional[str] = None, process_set=global_process_set) -> list:
-    """Every rank's object, in rank order."""
-    return collectives.allgather_object(obj)
+    """Every rank's object, in set-rank order."""
+    return collectives.allgather_object(obj, name, process_set, _dumps, _loads)

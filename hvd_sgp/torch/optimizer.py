@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
+
 import torch
 
-from hvd_sgp.common import adapter, runtime
+from hvd_sgp.common import adapter
 from hvd_sgp.common.node import average_arrays
 from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.common.options import keyword_help
 from hvd_sgp.torch import node_nccl
+from hvd_sgp.torch import compression as compression_module
 from hvd_sgp.torch.compression import Compression
 from hvd_sgp.torch.flat import group_parameters, staged
-from hvd_sgp.torch.mpi_ops import Average, check_process_set, global_process_set
+from hvd_sgp.torch.mpi_ops import Average, global_process_set
 
 
 class StagedAccess:
@@ -35,7 +38,7 @@ class StagedAccess:
 class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
     """Mixed into a subclass of the user's optimizer class (see DistributedOptimizer)."""
 
-    def __init__(self, params, named_parameters, backward_passes_per_step, sparse_as_dense,
+    def __init__(self, params, named_parameters, backward_passes_per_step,
                  config: adapter.Settings):
         super(self.__class__, self).__init__(params)
         all_params = [p for group in self.param_groups for p in group["params"]]
@@ -43,7 +46,6 @@ class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
         if len({id(p) for p in all_params}) != len(all_params):
             raise SgpValueError("a parameter appears in more than one param group")
         self.backward_passes_per_step = backward_passes_per_step
-        self._sparse_as_dense = sparse_as_dense
         self._groups = group_parameters(all_params)
         signature = [(self._parameter_names.get(id(p), i), tuple(p.shape), str(p.dtype))
                      for i, p in enumerate(all_params)]
@@ -52,8 +54,11 @@ class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
         self._session.start()  # now: ranks compare their models and options at wrapping
         self._session.own(self)
         self._passes = {}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._count_pass)
+        count = weakref.WeakMethod(self._count_pass)  # the model may outlive the optimizer
+        self._hooks = [p.register_post_accumulate_grad_hook(
+                           lambda p: count() is not None and count()(p))
                        for p in all_params if p.requires_grad]
+        weakref.finalize(self, lambda hooks: [h.remove() for h in hooks], self._hooks)
         self._synchronized = False
         self._should_skip = False
 
@@ -75,15 +80,12 @@ class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
         """Average gradients exactly within the node (across the world in mode='allreduce')."""
         for group in self._groups:
             group.check_views()
-        if self._sparse_as_dense:
-            for p in self._all_params():
-                if p.grad is not None and p.grad.is_sparse:
-                    p.grad = p.grad.to_dense()
         plan = self._session.begin_step(self._floating_state)
         scale = self._session.gradient_scale(plan)  # rides in the copy into the flat buffer
         if plan.reduce:
             for group in self._groups:
-                if group.device.type == "cuda" and plan.mode != "allreduce" and node_nccl.usable():
+                if group.device.type == "cuda" and plan.mode != "allreduce" \
+                        and self._session.settings.layout is None and node_nccl.usable():
                     self._session.reduce_gradients(group.gather_grads(scale),
                                                    node_nccl.allreduce_sum)
                     group.scatter_grads()
@@ -172,7 +174,7 @@ class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
 
     def _sgp_average_statistics(self, model: torch.nn.Module) -> None:
         average_arrays([b for b in model.buffers() if b.is_floating_point()],
-                       runtime.world_comm())
+                       self._session.layout.world)
 
     def state_dict(self):
         state = super(self.__class__, self).state_dict()
@@ -220,18 +222,17 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     schedulers and param_groups keep working. ``num_groups``/``groups`` (Horovod's fusion
     groups) are accepted and unneeded: all parameters already travel as one buffer. Sparse
     gradients are averaged densely where they must be (in-node, or mode='allreduce') and handed
-    back sparse; ``sparse_as_dense=True`` makes them dense for the local step too.
+    back sparse, which is what Horovod's ``sparse_as_dense=True`` does (accepted; here it is
+    always so).
     """
-    check_process_set(process_set)
     config = adapter.settings(op, compression, sgp, gradient_predivide_factor,
-                              backward_passes_per_step)
+                              backward_passes_per_step, compression_module.TENSORS, process_set)
     if isinstance(optimizer, torch.optim.LBFGS):
         raise SgpValueError("LBFGS re-evaluates its closure many times per step and is not "
                             "supported by DistributedOptimizer")
     cls = type(optimizer.__class__.__name__, (adapter.GossipMethods, optimizer.__class__),
                dict(_DistributedOptimizer.__dict__))
-    wrapped = cls(optimizer.param_groups, named_parameters, backward_passes_per_step,
-                  sparse_as_dense, config)
+    wrapped = cls(optimizer.param_groups, named_parameters, backward_passes_per_step, config)
     wrapped.load_state_dict(optimizer.state_dict())
     return wrapped
 

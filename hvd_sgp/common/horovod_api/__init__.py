@@ -1,2 +1,11 @@
-"""Horovod's API on the core: collectives, process sets, join and Horovod's Compressor
-interface. Kept apart from the SGP algorithm, which never goes through it."""
+"""Horovod's API on the core, kept apart from the SGP algorithm (which never goes through it):
+negotiated collectives on numpy arrays, process sets, join, the stall check and Horovod's
+Compressor interface (numpy + mpi4py; importing starts no MPI).
+
+negotiation   the agreement round before every collective, deadlines, the progress loop
+process_sets  ProcessSet, registration, one communicator and controller per set
+collectives   the kinds (allreduce, allgather, broadcast, alltoall, reducescatter, barrier)
+join          join() as an event loop, and the participant hook for the optimizer
+basics        Horovod's flat namespace shared by the torch and tensorflow adapters
+compression   Horovod's Compression namespace, generated from the codec registry
+"""

@@ -7,9 +7,15 @@ names the core codec that encodes the pushed parameters (the PushSum weight stay
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
-from hvd_sgp.common.codecs import REGISTRY
+import numpy as np
+
+from hvd_sgp.common.codecs import REGISTRY, Codec, codec
+from hvd_sgp.common.errors import OptionError, SgpValueError
+
+# (numpy array -> framework tensor, framework tensor -> numpy array), per framework
+Tensors = tuple[Callable[[np.ndarray], Any], Callable[[Any], np.ndarray]]
 
 
 class Compressor:
@@ -91,3 +97,70 @@ def namespace(doc: str, cast: Callable[[Any, Any], Any], is_floating: Callable[[
         else:
             classes[codec_cls.compressor] = attributes[name] = compressor(codec_cls, name)
     return type("Compression", (), attributes), classes
+
+
+class CompressorCodec(Codec):
+    """A script's own Horovod Compressor (``compress``/``decompress`` on framework tensors) as
+    the gossip codec: the compressed tensor's bytes travel, and the receiver decompresses them
+    with the context of its own compress of a tensor like the sender's, as in Horovod's
+    allreduce, where each rank decompresses the sum with its own context. So the context may
+    depend on the dtype and shape, not on the values (true of casts)."""
+
+    exact = False
+
+    def __init__(self, compressor: Any, tensors: Tensors):
+        self.compressor, (self.to_tensor, self.to_numpy) = compressor, tensors
+        self._layouts: dict[int, tuple[np.dtype, tuple, Any]] = {}
+
+    @property
+    def spec(self) -> str:
+        return f"custom:{getattr(self.compressor, '__qualname__', type(self.compressor).__name__)}"
+
+    def _layout(self, n: int) -> tuple[np.dtype, tuple, Any]:
+        """Wire dtype, wire shape and context of n float32 values, from a compress of zeros."""
+        if n not in self._layouts:
+            wire, ctx = self.compressor.compress(self.to_tensor(np.zeros(n, np.float32)))
+            array = self.to_numpy(wire)
+            self._layouts[n] = array.dtype, array.shape, ctx
+        return self._layouts[n]
+
+    def nbytes(self, n: int) -> int:
+        dtype, shape, _ = self._layout(n)
+        return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+
+    def encode(self, values: np.ndarray, out: np.ndarray) -> None:
+        wire, _ = self.compressor.compress(self.to_tensor(np.asarray(values, np.float32)))
+        out[...] = np.ascontiguousarray(self.to_numpy(wire)).reshape(-1).view(np.uint8)
+
+    def decode(self, data: np.ndarray, n: int) -> np.ndarray:
+        dtype, shape, ctx = self._layout(n)
+        wire = self.to_tensor(np.ascontiguousarray(data).view(dtype).reshape(shape))
+        return self.to_numpy(self.compressor.decompress(wire, ctx)).reshape(-1)
+
+
+def gossip_codec(compression: Any, tensors: Optional[Tensors]) -> Codec:
+    """The codec of a ``compression=`` choice: a generated compressor names one (``wire``);
+    any other object with Horovod's ``compress``/``decompress`` is wrapped. Where the script
+    asks for none (``Compression.none``, or nothing), ``HVD_SGP_COMPRESSION`` may name one."""
+    wire = getattr(compression, "wire", None)
+    if wire == "none":
+        return _environment_codec()
+    if wire is not None:
+        return codec(wire)
+    if tensors is None or not all(callable(getattr(compression, f, None))
+                                  for f in ("compress", "decompress")):
+        raise SgpValueError(f"compression must be one of hvd.Compression's choices or a "
+                            f"Horovod Compressor (compress/decompress), got {compression!r}")
+    return CompressorCodec(compression, tensors)
+
+
+def _environment_codec() -> Codec:
+    """``HVD_SGP_COMPRESSION`` (default none), its errors naming the variable."""
+    from hvd_sgp.common import options
+
+    spec = options.from_environment("compression")
+    try:
+        return codec(spec)
+    except OptionError as error:
+        raise OptionError(f"{options.BY_NAME['compression'].env}={spec!r}: "
+                          f"{str(error).split(': ', 1)[-1]}") from None

@@ -9,17 +9,24 @@ from __future__ import annotations
 
 from typing import Optional
 
-import numpy as np
+import tensorflow as tf
 
-from hvd_sgp.common.errors import NotInitializedError, PeerTimeoutError, SgpError, SgpValueError
+from hvd_sgp.common.errors import (HorovodInternalError, HostsUpdatedInterrupt,
+                                   NotInitializedError, PeerTimeoutError, SgpError,
+                                   SgpValueError)
 from hvd_sgp.tensorflow import flavour
 from hvd_sgp.tensorflow import mpi_ops as _ops
+from hvd_sgp.tensorflow import compression as compression_module
 from hvd_sgp.tensorflow.compression import Compression
 from hvd_sgp.tensorflow.keras import callbacks
-from hvd_sgp.tensorflow.mpi_ops import (Adasum, Average, Max, Min, Product, Sum, cross_rank,
-                                        cross_size, init, is_initialized, local_rank,
+from hvd_sgp.tensorflow.mpi_ops import (Adasum, Average, Max, Min, Product, ProcessSet, Sum,
+                                        add_process_set, ccl_built, cross_rank, cross_size,
+                                        cuda_built, ddl_built, global_process_set, gloo_built,
+                                        gloo_enabled, init, is_initialized, local_rank,
                                         local_size, mpi_built, mpi_enabled,
-                                        mpi_threads_supported, rank, shutdown, size)
+                                        mpi_threads_supported, nccl_built, rank,
+                                        remove_process_set, rocm_built, shutdown, size,
+                                        start_timeline, stop_timeline)
 from hvd_sgp.common import adapter
 from hvd_sgp.tensorflow.flavour import keras
 from hvd_sgp.tensorflow.optimizer import (DistributedOptimizer, PartialDistributedOptimizer,
@@ -37,19 +44,26 @@ def broadcast_global_variables(root_rank: int) -> None:
 
 def allreduce(value, name: Optional[str] = None, average: Optional[bool] = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0, op=None,
-              compression=Compression.none) -> np.ndarray:
-    """Exact reduction of a value (numpy result), as horovod.tensorflow.keras.allreduce."""
-    return _ops.allreduce(value, average, compression=compression, op=op,
-                          prescale_factor=prescale_factor,
-                          postscale_factor=postscale_factor).numpy()
+              compression=Compression.none) -> tf.Tensor:
+    """Exact reduction of a value across ranks, as a tf tensor (horovod.tensorflow.keras's)."""
+    return _ops.allreduce(tf.constant(value), average, compression=compression, op=op,
+                          prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                          name=name)
 
 
-def allgather(value, name: Optional[str] = None) -> np.ndarray:
-    return _ops.allgather(value).numpy()
+def allgather(value, name: Optional[str] = None) -> tf.Tensor:
+    """Every rank's value concatenated along the first dimension, as a tf tensor."""
+    return _ops.allgather(tf.constant(value), name=name)
 
 
-def broadcast(value, root_rank: int, name: Optional[str] = None) -> np.ndarray:
-    return _ops.broadcast(value, root_rank).numpy()
+def broadcast(value, root_rank: int, name: Optional[str] = None) -> tf.Tensor:
+    """Root's value on every rank, as a tf tensor."""
+    return _ops.broadcast(tf.constant(value), root_rank, name=name)
+
+
+def reducescatter(value, name: Optional[str] = None, op=Average) -> tf.Tensor:
+    """Reduction of a value whose rows are scattered over the ranks, as a tf tensor."""
+    return _ops.reducescatter(tf.constant(value), op=op, name=name)
 
 
 def load_model(filepath, custom_optimizers=None, custom_objects=None,
@@ -69,16 +83,20 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
     objects.update(custom_objects or {})
     model = keras.models.load_model(filepath, custom_objects=objects)
     if getattr(model, "optimizer", None) is not None:
-        convert(model.optimizer, adapter.settings(Average, compression, sgp))
+        convert(model.optimizer, adapter.settings(Average, compression, sgp,
+                                                  tensors=compression_module.TENSORS))
     return model
 
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank",
     "local_rank", "cross_rank", "mpi_threads_supported", "mpi_enabled", "mpi_built",
-    "Average", "Sum", "Adasum", "Min", "Max", "Product", "Compression", "DistributedOptimizer",
-    "PartialDistributedOptimizer", "SyncBatchNormalization",
-    "broadcast_global_variables", "allreduce", "allgather", "broadcast", "load_model",
-    "callbacks", "NotInitializedError", "PeerTimeoutError", "SgpError", "SgpValueError",
-    "__version__",
+    "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built",
+    "rocm_built", "start_timeline", "stop_timeline", "ProcessSet", "global_process_set",
+    "add_process_set", "remove_process_set", "Average", "Sum", "Adasum", "Min", "Max",
+    "Product", "Compression", "DistributedOptimizer", "PartialDistributedOptimizer",
+    "SyncBatchNormalization", "broadcast_global_variables", "allreduce", "allgather",
+    "broadcast", "reducescatter", "load_model", "callbacks", "HorovodInternalError",
+    "HostsUpdatedInterrupt", "NotInitializedError", "PeerTimeoutError", "SgpError",
+    "SgpValueError", "__version__",
 ]

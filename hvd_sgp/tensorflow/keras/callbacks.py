@@ -14,7 +14,8 @@ from typing import Callable, Optional, Union
 import numpy as np
 import tensorflow as tf
 
-from hvd_sgp.common import collectives, runtime
+from hvd_sgp.common import runtime
+from hvd_sgp.common.horovod_api import collectives
 from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.tensorflow import flavour, gossip
 from hvd_sgp.tensorflow.flavour import keras
