@@ -62,6 +62,10 @@ MODES = {
                                              "max_delay": 1}),
     "osgp2": Mode("OSGP tau=2", "hvd_sgp", {"mode": "sgp", "peers": 1, "overlap": True,
                                              "max_delay": 2}),
+    "sgp1-int8": Mode("SGP 1-peer, int8", "hvd_sgp", {"mode": "sgp", "peers": 1,
+                                                       "compression": "int8"}),
+    "sgp1-topk1": Mode("SGP 1-peer, top-k 1%", "hvd_sgp", {"mode": "sgp", "peers": 1,
+                                                           "compression": "topk:0.01"}),
 }
 # --local: one machine, shared memory; every hvd_sgp path beside the raw MPI exchange it must
 # meet (the launcher makes every rank its own SGP node unless a mode unsets that).
@@ -142,7 +146,11 @@ class Comm:
         self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         if self.kind == "plain":
             return model, optimizer
-        extra = mode.sgp if self.kind == "hvd_sgp" else {}
+        extra = dict(mode.sgp) if self.kind == "hvd_sgp" else {}
+        if "compression" in extra:  # a codec spec, name or name:ARG, as HVD_SGP_COMPRESSION
+            name, _, arg = extra["compression"].partition(":")
+            chosen = getattr(self.hvd.Compression, name)
+            extra["compression"] = chosen(arg) if arg else chosen
         named = [(prefix + name, p) for name, p in model.named_parameters()]
         return model, self.hvd.DistributedOptimizer(optimizer, named_parameters=named, **extra)
 
@@ -290,6 +298,7 @@ def throughput(comm: Comm, mode: Mode, args) -> dict:
     comm.minimum(0.0)
     tx0 = bm.tx_bytes(args.iface) if args.iface else None
     sent0 = optimizer.metrics()["bytes_sent"] if hasattr(optimizer, "metrics") else None
+    codec0 = optimizer.metrics().get("codec_seconds", 0.0) if sent0 is not None else 0.0
     times = []
     cpu = time.process_time()
     for _ in range(args.iters):
@@ -306,6 +315,8 @@ def throughput(comm: Comm, mode: Mode, args) -> dict:
         metrics = optimizer.metrics()
         result["sent_per_iter"] = (metrics["bytes_sent"] - sent0) / args.iters
         result["wait_seconds"] = metrics["total_wait_seconds"]
+        result["codec_seconds_per_iter"] = (metrics.get("codec_seconds", 0.0)
+                                            - codec0) / args.iters
     comm.close(optimizer)
     if args.idle_seconds > 0:
         result["idle"] = idle_probe(comm, mode, args)
@@ -480,6 +491,9 @@ def summarize_throughput(raw: dict, link_rate: float | None) -> list[dict]:
                 row["extra_model_copies"] = (peak - base_rss) / model_bytes
             if reference and name != "plain":
                 row["vs_allreduce"] = sec / statistics.median(_step(l) for l in reference)
+            codec = [r["codec_seconds_per_iter"] for r in ranks if "codec_seconds_per_iter" in r]
+            if codec and max(codec) > 0:
+                row["codec_sec_per_iter"] = max(codec)
             ref = mode_of(name).reference
             if (name + BASELINE, n) in raw:
                 row["vs_baseline"] = _paired(launches, raw[(name + BASELINE, n)])

@@ -1,7 +1,9 @@
 """Plot parameter deviation over steps, per rank and per run, from HVD_SGP_METRICS logs
-(as the SGP paper's parameter-deviation figure).
+(as the SGP paper's parameter-deviation figure), or with ``--elastic`` each run's
+elastic-consistency estimate, all variants on one axis (compression, local steps, delays).
 
     python -m hvd_sgp.plot run_exponential.jsonl run_ring.jsonl -o deviation.png
+    python -m hvd_sgp.plot fp32.jsonl topk.jsonl int8.jsonl --elastic -o elastic.png
 """
 from __future__ import annotations
 
@@ -45,17 +47,48 @@ def plot(runs: dict[str, list[dict]], output: str, relative: bool = True) -> Non
     fig.savefig(output, dpi=120)
 
 
+def plot_elastic(runs: dict[str, list[dict]], output: str) -> None:
+    """Per run: the largest ||z_i - mean|| / lr over ranks at each record (thin) and its
+    running maximum, the run's elastic-consistency constant (thick)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    for label, rows in runs.items():
+        steps = [r["step"] for r in rows]
+        now = [max(d / r["lr"] if r.get("lr") else 0.0 for d in r["deviation"]) for r in rows]
+        constant = [r.get("elastic_constant", max(r["elastic"])) for r in rows]
+        line, = ax.plot(steps, [max(c, 1e-16) for c in constant], lw=2,
+                        label=f"{label}: B = {constant[-1]:.3g}")
+        ax.plot(steps, [max(v, 1e-16) for v in now], lw=0.6, alpha=0.6, color=line.get_color())
+    ax.set_yscale("log")
+    ax.set(xlabel="step", ylabel="max_i ||z_i - mean|| / lr",
+           title="elastic-consistency estimate per variant (thick: running constant B)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(output, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("logs", nargs="+", help="JSON lines written with HVD_SGP_METRICS")
     parser.add_argument("-o", "--output", default="deviation.png")
     parser.add_argument("--absolute", action="store_true", help="plot ||x_i - mean||")
+    parser.add_argument("--elastic", action="store_true",
+                        help="the elastic-consistency estimate per run, on one axis")
     args = parser.parse_args(argv)
     runs = load(args.logs)
     if not runs:
         parser.error("no records in the given logs")
-    plot(runs, args.output, relative=not args.absolute)
+    if args.elastic:
+        plot_elastic(runs, args.output)
+    else:
+        plot(runs, args.output, relative=not args.absolute)
     print(f"wrote {args.output}: {', '.join(runs)}")
 
 

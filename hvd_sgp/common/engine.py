@@ -18,7 +18,8 @@ buffers hold the framework's current parameters before and writes them back afte
 staged device tensors and TF variables; nothing where the buffers are the parameters' memory).
 The exchange is PushSum over the cross-node graph (``sgp``, synchronous or overlapped),
 symmetric pairwise averaging (``dpsgd``) or nothing (``allreduce``, where the gradients were
-averaged over the world instead).
+averaged over the world instead). Lossy codecs gossip through compressed PushSum (choco.py);
+``local_steps`` and SlowMo decide which steps communicate (outer.py).
 
 In fault-tolerant mode a lost peer surfaces in any of these operations as PeerLostError. In a
 plain script the operation repairs the world there (runtime.repair) and goes on; under
@@ -40,11 +41,13 @@ import numpy as np
 
 from hvd_sgp.common import recovery, runtime, schedule, telemetry
 from hvd_sgp.common.arrays import kit_for
+from hvd_sgp.common.choco import ChocoMixer, ChocoOverlapMixer
 from hvd_sgp.common.codecs import Codec, codec as make_codec
 from hvd_sgp.common.errors import ConsistencyError, PeerLostError, PeerTimeoutError, SgpValueError
 from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.node import NodeShard, average_arrays, exact_average
 from hvd_sgp.common.options import SgpOptions
+from hvd_sgp.common.outer import OuterLoop
 from hvd_sgp.common.overlap import OverlapMixer
 from hvd_sgp.common.pushsum import PushSumMixer, drain, exchange
 from hvd_sgp.common.topology import BipartiteExponentialGraph, make_topology
@@ -104,10 +107,11 @@ class GossipEngine:
             atexit.register(self.timeline.finish)
         self.transport.timeline = self.timeline
         self.metrics_log = (telemetry.MetricsLog(options.metrics, options.metrics_every,
-                                                 self.world, describe_run(options))
+                                                 self.world, describe_run(options, self.codec))
                             if options.metrics else None)
         self.progress = None
         self.elastic = telemetry.ElasticConsistency()
+        self.outer = OuterLoop(options.local_steps, options.slowmo, options.slowmo_lr)
         self.epoch = 0
         self.steps = 0  # exchanges: the graph's iteration, equal on every rank
         self.calls = 0  # end_step calls: the user's loop position (see _world_changed)
@@ -199,17 +203,22 @@ class GossipEngine:
         else:
             topology = make_topology(self.options.topology, nodes, stage.peers)
             push_sum = self.options.push_sum
+        compress = (dict(step=self.options.consensus_step,
+                         error_feedback=self.options.error_feedback)
+                    if self.codec.differential else {})
         if stage.overlap:
             if self.progress is None:
                 self.progress = Progress(self.transport)
-            self.mixers = [OverlapMixer(buf, topology, self.transport, self.progress, self.local,
-                                        push_sum, self.codec, self.options.max_delay)
+            kind = ChocoOverlapMixer if compress else OverlapMixer
+            self.mixers = [kind(buf, topology, self.transport, self.progress, self.local,
+                                push_sum, self.codec, self.options.max_delay, **compress)
                            for buf in self.buffers]
         else:
-            self.mixers = [PushSumMixer(buf, topology, self.transport, self.local, push_sum,
-                                        self.codec) for buf in self.buffers]
+            kind = ChocoMixer if compress else PushSumMixer
+            self.mixers = [kind(buf, topology, self.transport, self.local, push_sum, self.codec,
+                                **compress) for buf in self.buffers]
         for mixer in self.mixers:
-            mixer.iteration = self.steps
+            mixer.iteration = self.outer.rounds(self.steps)
         if was_tracking and not self.tracks_weight:
             self._average_parameters()  # the new stage assumes weight 1: fold it in exactly
 
@@ -241,7 +250,8 @@ class GossipEngine:
             entered = wanted.mode == "allreduce" and self.stage.mode != "allreduce"
             self._enter(wanted, optimizer_state)
         mode = self.stage.mode
-        ranks = (self.world if mode == "allreduce" else self.local).Get_size()
+        world = self.outer.averages_gradients(mode)
+        ranks = (self.world if world else self.local).Get_size()
         self._planned_ranks = ranks
         return StepPlan(mode, ranks > 1, entered, ranks)
 
@@ -249,7 +259,8 @@ class GossipEngine:
         """Sum gradients in place over the plan's ranks (the node, or the world for AllReduce
         SGD); ``sum_in_node`` replaces MPI for the node's sum (NCCL). The adapter scaled them
         by 1 / plan.ranks in the copy that fused them, so the sum is the average without
-        another pass; only when ranks have joined is it rescaled to the contributors'."""
+        another pass; only when ranks have joined is it rescaled to the contributors'.
+        Local SGD (AllReduce mode with local_steps > 1) sums over the node only."""
         backup = None
         if recovery.enabled():  # a failed reduction leaves the gradients undefined
             backup = kit_for(grads).empty(grads, tuple(grads.shape))
@@ -262,7 +273,7 @@ class GossipEngine:
                     on_repair=restore)
 
     def _reduce_gradients(self, grads, sum_in_node: Optional[Callable]) -> None:
-        world = self.stage.mode == "allreduce"
+        world = self.outer.averages_gradients(self.stage.mode)
         comm = self.world if world else self.local
         skipped = self.calls + 1 < self._skip_until  # realigning after a repair: local only
         ranks = 1 if skipped else comm.Get_size()
@@ -301,13 +312,17 @@ class GossipEngine:
         if self._joined_group is not None:
             self._resync(self._joined_group)
         self.steps += 1
+        mixers = self.mixers if self.outer.exchanges(self.steps) else []
         if self.timeline is not None:
             self.timeline.step_boundary(self.steps)
             with self.timeline.span("send/receive", step=self.steps, mode=mode):
-                exchange(self.mixers)
+                exchange(mixers)
             self.timeline.resume_compute()
         else:
-            exchange(self.mixers)
+            exchange(mixers)
+        if self.outer.synchronizes(self.steps, mode):
+            self._average_parameters()
+            self.outer.update(self.buffers, lr)
         if self.metrics_log is not None:
             self.metrics_log.record(self.steps, self.parameters(), float(self.buffers[0][-1]), lr)
 
@@ -452,8 +467,13 @@ class GossipEngine:
         """The checkpoint contract of both frameworks: PushSum weights, iteration, epoch."""
         def read() -> dict:
             drain(self.mixers)
-            return {"iteration": self.steps, "epoch": self.epoch,
-                    "weights": [float(b[-1]) for b in self.buffers]}
+            state = {"iteration": self.steps, "epoch": self.epoch,
+                     "weights": [float(b[-1]) for b in self.buffers]}
+            if self.options.slowmo is not None:
+                state["slowmo"] = self.outer.state()
+            if self.codec.differential:
+                state["compressed"] = [m.state() for m in self.mixers]
+            return state
         return self._guard(read, "reading the SGP state")
 
     def load_state(self, state: dict) -> None:
@@ -470,6 +490,9 @@ class GossipEngine:
                 buf[-1] = w
             self.stage, self.mixers = None, []  # restoring, not switching: nothing to average
             self._enter(schedule.current(self.stages, self.epoch, self.steps))
+            self.outer.load_state(state.get("slowmo"))
+            for mixer, copies in zip(self.mixers, state.get("compressed", ())):
+                mixer.load_state(copies)
         self._guard(load, "loading the SGP state")
 
     def metrics(self) -> dict:
@@ -479,7 +502,8 @@ class GossipEngine:
                 "wait_seconds": stats.last_wait_seconds,
                 "total_wait_seconds": stats.wait_seconds,
                 "bytes_sent": stats.bytes_sent, "iteration": self.steps,
-                "mode": self.stage.mode, "overlap": self.stage.overlap}
+                "mode": self.stage.mode, "overlap": self.stage.overlap,
+                "codec_seconds": sum(getattr(m, "codec_seconds", 0.0) for m in self.mixers)}
 
     @property
     def closed(self) -> bool:
@@ -594,11 +618,17 @@ def _close_at_exit(engine: "weakref.ref[GossipEngine]") -> None:
         alive.close()
 
 
-def describe_run(options: SgpOptions) -> str:
-    """A short label for logs and plots, e.g. 'sgp exponential peers=1'."""
+def describe_run(options: SgpOptions, codec: Codec = Codec()) -> str:
+    """A short label for logs and plots, e.g. 'sgp exponential peers=1' or
+    'sgp exponential peers=1 overlap tau=2 topk:0.01 no-ef'."""
     topology = options.topology if isinstance(options.topology, str) else repr(options.topology)
     label = options.schedule or f"{options.mode} {topology} peers={options.peers}"
-    return label + (f" overlap tau={options.max_delay}" if options.overlap else "")
+    label += f" overlap tau={options.max_delay}" if options.overlap else ""
+    if codec.spec != "none":
+        label += f" {codec.spec}" + ("" if options.error_feedback or not codec.differential
+                                     else " no-ef")
+    label += f" H={options.local_steps}" if options.local_steps > 1 else ""
+    return label + (f" slowmo={options.slowmo:g}" if options.slowmo is not None else "")
 
 
 def check_consistent(comm: MPI.Comm, signature: list, opts: tuple) -> None:

@@ -9,6 +9,7 @@ over defaults; everything is parsed and validated once, at optimizer constructio
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
@@ -19,6 +20,7 @@ from hvd_sgp.common.topology import TOPOLOGIES, Topology
 MODES = ("sgp", "allreduce", "dpsgd")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
+_HOLDS = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,8 @@ class Option:
     help: str
     choices: tuple = ()
     minimum: Optional[float] = None
+    maximum: Optional[float] = None
+    above: Optional[float] = None  # an exclusive lower bound
     objects: Optional[type] = None  # keyword values of this type are taken as they are
     keyword: bool = True
     agree: str = "value"  # "value" | "presence" | "none"
@@ -66,9 +70,11 @@ class Option:
                     raise ValueError
             except (TypeError, ValueError):
                 number = None
-            low = self.minimum
-            if number is None or (low is not None and not number >= low):
-                bound = f" >= {low:g}" if low is not None else ""
+            limits = [(sign, limit) for sign, limit in (
+                (">=", self.minimum), (">", self.above), ("<=", self.maximum)) if limit is not None]
+            if number is None or not all(_HOLDS[sign](number, limit) for sign, limit in limits):
+                bound = "".join((" and " if i else " ") + f"{sign} {limit:g}"
+                                for i, (sign, limit) in enumerate(limits))
                 raise OptionError(f"{source}={value!r} must be a{'n' if self.kind is int else ''}"
                                     f" {self.kind.__name__}{bound}")
             return number
@@ -94,6 +100,15 @@ OPTIONS: tuple[Option, ...] = (
     Option("schedule", str, None, "exchange schedule, e.g. '0:allreduce,30:sgp2,60:sgp1'"),
     Option("timeout", float, 300.0, "seconds to wait on a silent peer before failing",
            minimum=1e-3, agree="none"),
+    Option("error_feedback", bool, True, "compressed gossip sends later what the codec dropped "
+           "(off: the ablation)"),
+    Option("consensus_step", float, None, "compressed gossip's consensus step gamma, in (0, 1] "
+           "(default: the codec's)", above=0, maximum=1),
+    Option("local_steps", int, 1, "local steps per exchange (Local SGD); SlowMo's period",
+           minimum=1),
+    Option("slowmo", float, None, "SlowMo's slow momentum beta, in [0, 1]: exact average and "
+           "outer update every local_steps steps", minimum=0, maximum=1),
+    Option("slowmo_lr", float, 1.0, "SlowMo's outer learning rate alpha", above=0),
     Option("metrics", str, None, "append consensus metrics as JSON lines to this file",
            agree="presence", metavar="PATH"),
     Option("metrics_every", int, 10, "steps between metrics records", minimum=1),
@@ -108,6 +123,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("elastic_restore", str, "keep", "after a lost rank, hvd.elastic.run keeps the "
            "survivors' averaged parameters (keep) or reloads the last commit (commit)",
            choices=("keep", "commit"), keyword=False),
+    Option("compression", str, "none", "gossip codec where the script asks for none (Horovod's "
+           "compression= wins): none, fp16, bf16, int8, topk:F, randomk:F", keyword=False,
+           metavar="CODEC"),
 )
 BY_NAME = {o.name: o for o in OPTIONS}
 KEYWORDS = tuple(o.name for o in OPTIONS if o.keyword)

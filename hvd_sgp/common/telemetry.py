@@ -44,7 +44,12 @@ def consensus(params: np.ndarray, comm: MPI.Comm) -> dict:
 
 class ElasticConsistency:
     """The elastic-consistency estimate of a run: the largest deviation seen divided by the
-    learning rate (how far a node's view may drift from the network average, per unit step)."""
+    learning rate (how far a node's view may drift from the network average, per unit step).
+
+    Elastic consistency (Nadiradze et al., arXiv 2001.05918) asks that the view v_i at which
+    node i takes its gradient stay within lr * B of the average model; B bounds the cost of
+    every communication-reduced variant (compression, local steps, delays) in one constant.
+    Here v_i is the de-biased z_i, so B is estimated as max ||z_i - mean|| / lr."""
 
     def __init__(self) -> None:
         self.bound = 0.0
@@ -57,7 +62,8 @@ class ElasticConsistency:
 
 class MetricsLog:
     """Every ``every`` steps: consensus measures of every rank, appended by rank 0 to a JSON
-    lines file (``python -m hvd_sgp.plot`` draws them)."""
+    lines file (``python -m hvd_sgp.plot`` draws them). ``elastic_constant`` is the run's
+    elastic-consistency constant so far: the largest estimate over ranks and steps."""
 
     def __init__(self, path: str, every: int, comm: MPI.Comm, label: str):
         self.path, self.every, self.comm, self.label = path, every, comm, label
@@ -71,9 +77,10 @@ class MetricsLog:
         c["weight"] = weight
         rows = self.comm.gather(c, root=0)
         if self.comm.Get_rank() == 0:
-            entry = {"step": step, "label": self.label, "distance": c["distance"],
+            entry = {"step": step, "label": self.label, "distance": c["distance"], "lr": lr,
                      **{k: [r[k] for r in rows] for k in ("deviation", "relative_deviation",
                                                         "weight", "elastic")}}
+            entry["elastic_constant"] = max(entry["elastic"])
             with open(self.path, "a") as f:
                 f.write(json.dumps(entry) + "\n")
         return c

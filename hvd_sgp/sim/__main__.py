@@ -3,6 +3,9 @@
 Three reports: consensus error per step under pure mixing (lr = 0) per topology; parameter
 deviation at the end of training against n and lr; and the effect of delays (tau) and of
 dropping the de-bias. ``--sweep nodes=...`` / ``--sweep lr=...`` prints only the second.
+``--codec int8,topk:0.1,...`` adds a fourth: each codec with and without error feedback
+(pure mixing from spread-out nodes, training from a common start, bytes per node per step).
+``--local-steps H`` gossips every H steps in every report.
 """
 from __future__ import annotations
 
@@ -27,6 +30,12 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--objective", choices=sorted(OBJECTIVES), default="quadratic")
     parser.add_argument("--dim", type=int, default=8, help="parameters per node")
     parser.add_argument("--no-debias", action="store_true", help="ablation: no PushSum weight")
+    parser.add_argument("--codec", action="append",
+                        help="compare codecs: repeatable or comma list (none, fp16, bf16, "
+                             "int8, topk:F, randomk:F)")
+    parser.add_argument("--consensus-step", type=float, default=None,
+                        help="compressed gossip's gamma (default: the codec's)")
+    parser.add_argument("--local-steps", type=int, default=1, help="steps per exchange")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sweep", action="append", metavar="nodes=A,B|lr=A,B",
                         help="only the deviation table, over these values (repeatable)")
@@ -36,6 +45,9 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     names = args.topology or ["exponential,ring,random"]
     args.topologies = [t for spec in names for t in spec.split(",") if t]
     args.sweeps = _sweeps(parser, args.sweep or [])
+    args.codecs = [c for spec in args.codec or [] for c in spec.split(",") if c]
+    if args.local_steps < 1:
+        parser.error(f"--local-steps must be >= 1, got {args.local_steps}")
     return args
 
 
@@ -53,7 +65,7 @@ def _sweeps(parser: argparse.ArgumentParser, specs: list[str]) -> dict[str, list
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parse(argv)
     base = dict(steps=args.steps, objective=args.objective, peers=args.peers, dim=args.dim,
-                seed=args.seed)
+                seed=args.seed, local_steps=args.local_steps)
     nodes = ",".join(map(str, args.sweeps.get("nodes", [args.nodes])))
     print(f"SGP simulator: {nodes} nodes, {args.steps} steps, {args.objective}, "
           f"delay {args.delay}, de-bias {'off' if args.no_debias else 'on'}, peers {args.peers}")
@@ -63,6 +75,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     records += _deviation_report(args, base)
     if not args.sweep:
         records += _delay_report(args, base)
+    if args.codecs:
+        records += _compression_report(args, base)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)
@@ -126,6 +140,34 @@ def _delay_report(args: argparse.Namespace, base: dict) -> list[dict]:
         rows.append([tau, *mixing, *training])
     _table(["tau", "error de-biased", "error no de-bias", "training de-biased",
             "training no de-bias"], rows)
+    return records
+
+
+def _compression_report(args: argparse.Namespace, base: dict) -> list[dict]:
+    """Per codec and error-feedback setting: consensus error and drift of the network average
+    under pure mixing from spread-out nodes; deviation and loss of training from a common
+    start; bytes one node pushes per step."""
+    from hvd_sgp.common.codecs import codec as make_codec
+
+    topology = args.topologies[0]
+    print(f"\nCompressed gossip ({topology}, {args.nodes} nodes, {args.dim} parameters, after "
+          f"{args.steps} steps, delay {args.delay}): mixing error and drift of the average; "
+          f"training deviation (loss) at lr={args.lr} from a common start")
+    rows, records = [], []
+    for spec in ["none"] + [c for c in args.codecs if c != "none"]:
+        for feedback in (True, False) if make_codec(spec).differential else (True,):
+            common = dict(base, topology=topology, nodes=args.nodes, delay=args.delay,
+                          debias=not args.no_debias, codec=spec, error_feedback=feedback,
+                          consensus_step=args.consensus_step)
+            mix = _run("compression", lr=0.0, **common)
+            train = _run("compression", lr=args.lr, spread=0.0, **common)
+            rows.append([spec, "on" if feedback else "off", mix[-1]["consensus_error"],
+                         mix[-1]["drift"],
+                         f"{train[-1]['deviation']:.3e} ({train[-1]['loss']:.4g})",
+                         f"{train[-1]['bytes']:.0f}"])
+            records += mix + train
+    _table(["codec", "error feedback", "mixing error", "average drift", "training deviation",
+            "bytes/node/step"], rows)
     return records
 
 

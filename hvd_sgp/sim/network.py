@@ -1,8 +1,9 @@
 """A simulated network in one process: the core's PushSum and Overlap mixers, one per node,
 exchanging messages through shared in-process mailboxes instead of MPI.
 
-Only the transport and the progress engine are replaced; topology, mixing and de-bias are the
-core's own code, so what the simulator shows is what the MPI path computes. Time is counted in
+Only the transport and the progress engine are replaced; topology, mixing, de-bias and the
+codecs (compressed PushSum for the lossy ones, choco.py) are the core's own code, so what the
+simulator shows is what the MPI path computes. Time is counted in
 steps: a message posted at step k with delay d arrives at step k + d. Synchronous SGP (delay 0)
 delivers within the step; Overlap SGP draws d uniformly from 1..tau (never 0, so the result does
 not depend on the order in which nodes run within a step).
@@ -13,6 +14,8 @@ from typing import Any, Iterator, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
+from hvd_sgp.common.choco import ChocoMixer, ChocoOverlapMixer
+from hvd_sgp.common.codecs import Codec, codec as make_codec, unpack
 from hvd_sgp.common.errors import PeerTimeoutError, SgpError, SgpValueError
 from hvd_sgp.common.overlap import OverlapMixer
 from hvd_sgp.common.pushsum import PushSumMixer, drain, exchange
@@ -61,7 +64,7 @@ class Mailbox:
         if entry is None:
             raise PeerTimeoutError(f"node {key[1]} waits for node {key[0]}'s push of iteration "
                                    f"{key[2]}, which was never sent (nodes out of step?)")
-        row[...] = entry[1]
+        row[:len(entry[1])] = entry[1]  # a compressed push may be shorter than its row
 
 
 class SimTransport:
@@ -159,11 +162,17 @@ class SimNetwork:
 
     ``params`` is an (n, dim) view of every node's de-biased parameters z_i: local steps write
     into it, and every node's mixer works on its own row of the same array.
+
+    ``codec`` encodes the pushes: lossy ones (int8, topk:F, randomk:F) through compressed
+    PushSum with ``consensus_step`` and ``error_feedback`` (``compressed=True`` forces that
+    path for any codec, ``False`` pushes encodings naively: the drift it causes).
     """
 
     def __init__(self, topology: Union[str, Topology], dim: int, n: Optional[int] = None,
                  peers: int = 1, delay: int = 0, debias: bool = True, seed: int = 0,
-                 dtype=np.float64):
+                 dtype=np.float64, codec: "str | Codec" = "none",
+                 compressed: Optional[bool] = None, consensus_step: Optional[float] = None,
+                 error_feedback: bool = True):
         if isinstance(topology, str) and n is None:
             raise SgpValueError("a topology given by name needs the number of nodes n")
         topology = make_topology(topology, topology.n if n is None else n, peers)
@@ -177,14 +186,23 @@ class SimNetwork:
         self.mailbox = Mailbox(delay, seed)
         transports = [SimTransport(self.mailbox, i, self.n) for i in range(self.n)]
         self.progress: Optional[SimProgress] = None
+        self.codec = make_codec(codec)
+        self.compressed = self.codec.differential if compressed is None else compressed
+        extra = (dict(step=consensus_step, error_feedback=error_feedback)
+                 if self.compressed else {})
         if delay:
             self.progress = SimProgress(self.mailbox)
+            kind = ChocoOverlapMixer if self.compressed else OverlapMixer
             self.mixers: list[PushSumMixer] = [
-                OverlapMixer(self.buffers[i], topology, transports[i], self.progress,
-                             push_sum=debias, max_delay=delay) for i in range(self.n)]
+                kind(self.buffers[i], topology, transports[i], self.progress, push_sum=debias,
+                     codec=self.codec, max_delay=delay, **extra) for i in range(self.n)]
         else:
-            self.mixers = [PushSumMixer(self.buffers[i], topology, transports[i],
-                                        push_sum=debias) for i in range(self.n)]
+            kind = ChocoMixer if self.compressed else PushSumMixer
+            self.mixers = [kind(self.buffers[i], topology, transports[i], push_sum=debias,
+                                codec=self.codec, **extra) for i in range(self.n)]
+        for mixer in self.mixers:
+            if self.compressed:
+                mixer.ledger = np.zeros(dim + 1)
 
     @property
     def iteration(self) -> int:
@@ -204,6 +222,10 @@ class SimNetwork:
         """Sum in everything still in flight (Overlap SGP); afterwards nothing is in flight."""
         drain(self.mixers)
 
+    def bytes_sent(self) -> int:
+        """Bytes every node pushed so far, as the transports counted them."""
+        return sum(m.transport.stats.bytes_sent for m in self.mixers)
+
     def weights(self) -> np.ndarray:
         """Every node's PushSum weight w_i (1 where the mixer does not track it)."""
         if self.mixers[0].track_weight:
@@ -212,15 +234,23 @@ class SimNetwork:
 
     def in_flight(self) -> tuple[np.ndarray, float]:
         """Numerators and weight pushed but not yet summed in: in the mailbox, or arrived and
-        waiting for their node's next step."""
+        waiting for their node's next step (compressed pushes: from the mixers' ledgers)."""
+        if self.compressed:
+            flow = sum(m.ledger for m in self.mixers)
+            return flow[:-1], float(flow[-1])
         rows = [data for _, data in self.mailbox.messages.values()]
         if self.progress is not None:
             rows.extend(self.progress.unsummed())
         numerators = np.zeros(self.dim)
         weight = 0.0
         for row in rows:
-            numerators += row[:self.dim]
-            weight += float(row[self.dim]) if row.size > self.dim else 0.0
+            if self.codec.exact:
+                numerators += row[:self.dim]
+                weight += float(row[self.dim]) if row.size > self.dim else 0.0
+            else:
+                values, share = unpack(self.codec, row, self.dim)
+                numerators += values
+                weight += share
         return numerators, weight
 
     def mass(self) -> tuple[np.ndarray, float]:

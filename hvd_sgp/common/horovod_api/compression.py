@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping, Optional
 import numpy as np
 
 from hvd_sgp.common.codecs import REGISTRY, Codec, codec
-from hvd_sgp.common.errors import SgpValueError
+from hvd_sgp.common.errors import OptionError, SgpValueError
 
 # (numpy array -> framework tensor, framework tensor -> numpy array), per framework
 Tensors = tuple[Callable[[np.ndarray], Any], Callable[[Any], np.ndarray]]
@@ -57,13 +57,23 @@ class CastCompressor(Compressor):
         return cls.cast(tensor, ctx) if ctx is not None else tensor
 
 
+class _Variants(type):
+    """The metaclass of a compressor whose codec takes an optional argument: the class is the
+    default (``Compression.int8``), and calling it names a variant
+    (``Compression.int8("stochastic")``). Horovod never instantiates compressors."""
+
+    def __call__(cls, value):
+        return cls.variant(value)
+
+
 def namespace(doc: str, cast: Callable[[Any, Any], Any], is_floating: Callable[[Any], bool],
               dtypes: Mapping[str, Any]) -> tuple[type, dict[str, type]]:
     """The ``Compression`` class for one framework (``cast``/``is_floating`` on its tensors,
     ``dtypes`` its dtype per numpy dtype name) and the compressor classes by class name.
 
     Each registered codec becomes an attribute: a compressor class, or for a codec that takes
-    an argument (``topk:F``) a function of it returning one.
+    an argument (``topk:F``) a function of it returning one; where the argument is optional
+    (``int8``) the class itself, callable with the argument.
     """
     framework_cast = type("FrameworkCast", (CastCompressor,),
                           {"cast": staticmethod(cast), "is_floating": staticmethod(is_floating)})
@@ -77,7 +87,11 @@ def namespace(doc: str, cast: Callable[[Any, Any], Any], is_floating: Callable[[
     attributes: dict[str, Any] = {"__doc__": doc}
     classes: dict[str, type] = {}
     for name, codec_cls in REGISTRY.items():
-        if codec_cls.argument:
+        if codec_cls.optional:
+            variant = staticmethod(lambda value, c=codec_cls, n=name: compressor(c, f"{n}:{value}"))
+            classes[codec_cls.compressor] = attributes[name] = _Variants(
+                codec_cls.compressor, (Compressor,), {"wire": name, "variant": variant})
+        elif codec_cls.argument:
             attributes[name] = staticmethod(
                 lambda value, c=codec_cls, n=name: compressor(c, f"{n}:{value}"))
         else:
@@ -126,8 +140,11 @@ class CompressorCodec(Codec):
 
 def gossip_codec(compression: Any, tensors: Optional[Tensors]) -> Codec:
     """The codec of a ``compression=`` choice: a generated compressor names one (``wire``);
-    any other object with Horovod's ``compress``/``decompress`` is wrapped."""
+    any other object with Horovod's ``compress``/``decompress`` is wrapped. Where the script
+    asks for none (``Compression.none``, or nothing), ``HVD_SGP_COMPRESSION`` may name one."""
     wire = getattr(compression, "wire", None)
+    if wire == "none":
+        return _environment_codec()
     if wire is not None:
         return codec(wire)
     if tensors is None or not all(callable(getattr(compression, f, None))
@@ -135,3 +152,15 @@ def gossip_codec(compression: Any, tensors: Optional[Tensors]) -> Codec:
         raise SgpValueError(f"compression must be one of hvd.Compression's choices or a "
                             f"Horovod Compressor (compress/decompress), got {compression!r}")
     return CompressorCodec(compression, tensors)
+
+
+def _environment_codec() -> Codec:
+    """``HVD_SGP_COMPRESSION`` (default none), its errors naming the variable."""
+    from hvd_sgp.common import options
+
+    spec = options.from_environment("compression")
+    try:
+        return codec(spec)
+    except OptionError as error:
+        raise OptionError(f"{options.BY_NAME['compression'].env}={spec!r}: "
+                          f"{str(error).split(': ', 1)[-1]}") from None

@@ -1,0 +1,280 @@
+"""Compressed PushSum: lossy codecs (int8, top-k, random-k) without drift, on directed,
+time-varying graphs, synchronous or overlapped.
+
+Why: pushing an encoding of the parameters loses a little mass at every step, so the de-biased
+average drifts away. As in CHOCO-SGD (Koloskova et al., 2019), nodes gossip encoded
+*differences* against public copies that sender and receiver update identically, and move mass
+by those copies with a consensus step gamma. PushSum's column-stochastic weights replace
+CHOCO's symmetric ones. Node i at iteration k, with de-biased parameters z_i = x_i / w_i,
+out-peers j and shares p_ji, and s_ji = gamma p_ji w_i (the weight share, an exact float64):
+
+    for each out-peer j:   q = Q(z_i - r_ij)      r_ij = c_ij (error feedback) or z_i at
+                           c_ij += dec(q)                the last push to j (no feedback)
+    then:                  x_i -= sum_j s_ji c_ij,    w_i -= sum_j s_ji
+    from each in-peer j:   c_ji += dec(q);  x_i += s_ij c_ji;  w_i += s_ij
+
+c_ij is the copy of z_i that node j holds: the sender removes exactly the mass the receiver
+adds (the same float64 share times the same copy), so sum_i x_i and sum_i w_i (plus what is in
+flight) are invariant for any codec, and the de-biased average sum_i x_i / sum_i w_i never
+drifts. The copies follow z, not x: on graphs whose weights move, the numerators oscillate with
+the weights even at consensus, and their differences would never shrink. While the copies track
+z (the codec's error shrinks through error feedback) this is PushSum with the matrix
+(1 - gamma) I + gamma P; with an exact codec and gamma = 1 it is PushSum itself. Without error
+feedback the part of each difference that the codec drops is never sent again, and the copies
+keep that error.
+
+What a node stores. On a time-varying directed graph a node pushes to a different peer each
+iteration, and a peer that did not hear an update cannot apply the next difference; so the
+copies live per edge: one per out-peer the node ever pushes to (its side of c_ij) and one per
+in-peer it ever receives from (c_ji), and without error feedback one more per out-peer (r_ij).
+Each is a copy of the shard. For the one-peer exponential graph on n nodes that is
+2 ceil(log2 n) copies (3 ceil(log2 n) without error feedback), e.g. 6 at n = 8; a ring needs
+2. The first message on an edge carries the shard exactly, so every copy starts equal to the
+parameters. Messages: [gamma p, weight share, raw flag] as float64, then the payload.
+
+Overlap SGP: messages on one edge must be applied in the order they were sent (each
+difference is against the copy the previous one produced), so a message that arrives before
+an older one from the same peer waits for it; staleness is bounded by tau as before.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Optional
+
+import numpy as np
+
+from hvd_sgp.common.codecs import Codec, codec as make_codec
+from hvd_sgp.common.errors import SgpError, SgpValueError
+from hvd_sgp.common.mpi import MPI
+from hvd_sgp.common.overlap import OverlapMixer
+from hvd_sgp.common.pushsum import PushSumMixer
+from hvd_sgp.common.topology import Topology
+from hvd_sgp.common.transport import Pending, ProgressEngine, Transport
+
+HEADER = 24  # gamma * share, the weight share and the raw flag, as three float64
+
+
+def host_view(buffer) -> np.ndarray:
+    """The buffer as a numpy array sharing its memory (numpy arrays, CPU tensors through
+    ``__array__``): compressed gossip encodes on the host."""
+    try:
+        view = np.asarray(buffer)
+    except (TypeError, RuntimeError, ValueError):
+        view = None
+    if view is None or view.ndim != 1 or not view.flags.writeable:
+        raise SgpValueError("compressed gossip and SlowMo work in host memory; device "
+                            "parameters need the staged placement (HVD_SGP_CUDA_AWARE=0)")
+    return view
+
+
+class ChocoMixer(PushSumMixer):
+    """One node's compressed PushSum on one buffer (see the module docstring).
+
+    ``step`` is gamma (the codec's ``consensus_step`` when None); ``error_feedback`` chooses
+    whether each push encodes the distance to the public copy (what was not sent yet is sent
+    later) or only the change since the last push (the codec's error is dropped).
+    """
+
+    def __init__(self, buffer, topology: Topology, transport: Transport,
+                 local: Optional[MPI.Comm] = None, push_sum: bool = True,
+                 codec: Optional[Codec] = None, track_weight: Optional[bool] = None,
+                 step: Optional[float] = None, error_feedback: bool = True):
+        super().__init__(host_view(buffer), topology, transport, local, push_sum, codec,
+                         track_weight)
+        self._compress(step, error_feedback)
+
+    def _compress(self, step: Optional[float], error_feedback: bool) -> None:
+        self.step = self.codec.consensus_step if step is None else float(step)
+        if not 0 < self.step <= 1:
+            raise SgpValueError(f"the consensus step must be in (0, 1], got {self.step!r}")
+        self.error_feedback = bool(error_feedback)
+        self.sent: dict[int, np.ndarray] = {}  # c_ij: this node's copy as out-peer j holds it
+        self.received: dict[int, np.ndarray] = {}  # c_ji: in-peer j's copy, as sent to us
+        self.references: dict[int, np.ndarray] = {}  # r_ij without error feedback
+        self._opened_out: set[int] = set()  # edges whose first (exact) message was posted
+        self._opened_in: set[int] = set()
+        self._scratch = np.empty(self.width, self.buffer.dtype)
+        self.codec_seconds = 0.0  # encoding, decoding and copy updates (no communication)
+        self.ledger: Optional[np.ndarray] = None  # per entry: mass sent - received (tests)
+
+    @property
+    def shard(self) -> np.ndarray:
+        return self.buffer[self.start:self.stop]
+
+    def copies(self) -> int:
+        """Shard-sized arrays held for the compressed gossip (the memory it costs)."""
+        return len(self.sent) + len(self.received) + len(self.references)
+
+    def _payload(self, raw: bool) -> int:
+        size = self.width * self.buffer.itemsize if raw else self.codec.nbytes(self.width)
+        return -(-size // 8) * 8  # rows stay 8-byte aligned
+
+    # --- pushing --------------------------------------------------------------------------
+    def begin(self, slot=None):
+        slot = slot if slot is not None else self._slot
+        phase = self.topology.phase(self.iteration)
+        out_peers, in_peers = phase.out_peers[self.node], phase.in_peers(self.node)
+        shares = phase.out_weights[self.node]
+        x = self.shard  # z_i until re-biased below
+        weight = self.weight
+        sends = []
+        began = time.perf_counter()
+        for t, (peer, share) in enumerate(zip(out_peers, shares)):
+            raw = self.codec.exact or peer not in self._opened_out
+            message = slot.send(t, HEADER + self._payload(raw), True)
+            self._encode(peer, raw, message)
+            message[:HEADER].view(np.float64)[:] = (self.step * share,
+                                                    self.step * share * weight, float(raw))
+            sends.append((peer, message))
+            self._opened_out.add(peer)
+        self.codec_seconds += time.perf_counter() - began
+        if self.track_weight:
+            x *= weight  # the numerator
+        for peer, share in zip(out_peers, shares):  # every difference is taken from one z
+            mass = self.step * share * weight
+            np.multiply(self.sent[peer], mass, out=self._scratch)
+            x -= self._scratch
+            self._record(1.0, mass, self.sent[peer])
+        if self.track_weight:
+            self.buffer[self.n] = weight * (1 - self.step * sum(shares))
+        sizes = [HEADER + self._payload(self.codec.exact or peer not in self._opened_in)
+                 for peer in in_peers]
+        self._opened_in.update(in_peers)
+        received = slot.receive(len(in_peers), max(sizes, default=HEADER), True)
+        pending = self.transport.start(self.iteration, sends,
+                                       [(peer, received[t]) for t, peer in enumerate(in_peers)])
+        pending.received = received
+        return pending
+
+    def _encode(self, peer: int, raw: bool, message: np.ndarray) -> None:
+        """Write the push to ``peer`` into ``message`` and update its public copy."""
+        x, payload = self.shard, message[HEADER:]
+        if raw:
+            payload[:self.width * x.itemsize].view(x.dtype)[...] = x
+            _store(self.sent, peer, x)
+            if not self.error_feedback:
+                _store(self.references, peer, x)
+            return
+        reference = self.sent[peer] if self.error_feedback else self.references[peer]
+        np.subtract(x, reference, out=self._scratch)
+        data = payload[:self.codec.nbytes(self.width)]
+        self.codec.encode(self._scratch, data)
+        self.codec.add_to(data, self.width, self.sent[peer])
+        if not self.error_feedback:
+            reference[...] = x
+
+    # --- receiving ------------------------------------------------------------------------
+    def add(self, received, sources: list[int]) -> None:
+        """Apply received differences to the copies of their senders, in the order given, and
+        add each sender's share of its copy to the numerator; the weight shares to the weight."""
+        x = self.shard
+        weights = []
+        for row, source in zip(received, sources):
+            _, weight, raw = (float(v) for v in row[:HEADER].view(np.float64))
+            began = time.perf_counter()
+            payload = row[HEADER:]
+            if raw:
+                values = payload[:self.width * x.itemsize].view(x.dtype)
+                finite = bool(np.isfinite(values).all())
+            else:
+                data = payload[:self.codec.nbytes(self.width)]
+                finite = self.codec.finite(data, self.width)
+            if not (finite and math.isfinite(weight)):
+                raise SgpError(f"received NaN or infinite parameters from "
+                               f"{self.transport.peer_name(source)} at iteration "
+                               f"{self.iteration}: that rank diverged")
+            if raw:
+                _store(self.received, source, values)
+            else:
+                self.codec.add_to(data, self.width, self.received[source])
+            self.codec_seconds += time.perf_counter() - began
+            copy = self.received[source]
+            np.multiply(copy, weight, out=self._scratch)
+            x += self._scratch
+            weights.append(weight)
+            self._record(-1.0, weight, copy)
+        if self.track_weight:
+            self._check_weights(weights, sources)
+            self.buffer[self.n] += sum(weights)
+
+    def _record(self, sign: float, weight: float, copy: np.ndarray) -> None:
+        """Mass ledgers for tests (the weight share times the copy, and the share): totals in
+        ``audit``, per entry in ``ledger``."""
+        if self.audit is not None:
+            mass = np.array([weight * float(copy.sum(dtype=np.float64)), weight])
+            if sign > 0:
+                self.audit.sent += mass
+            else:
+                self.audit.received += mass
+        if self.ledger is not None:
+            self.ledger[:-1] += sign * weight * copy
+            self.ledger[-1] += sign * weight
+
+    # --- checkpoints ----------------------------------------------------------------------
+    def state(self) -> dict:
+        """The public copies (needed to resume exactly); call with nothing in flight."""
+        return {"sent": {p: c.copy() for p, c in self.sent.items()},
+                "received": {p: c.copy() for p, c in self.received.items()},
+                "references": {p: c.copy() for p, c in self.references.items()}}
+
+    def load_state(self, state: dict) -> None:
+        for name in ("sent", "received", "references"):
+            copies = {int(p): np.array(c, dtype=self.buffer.dtype)
+                      for p, c in state.get(name, {}).items()}
+            if any(len(c) != self.width for c in copies.values()):
+                raise SgpValueError(f"checkpoint's compressed-gossip copies do not fit this "
+                                    f"model's shard of {self.width} values")
+            setattr(self, name, copies)
+        self._opened_out = set(self.sent)
+        self._opened_in = set(self.received)
+
+
+class ChocoOverlapMixer(ChocoMixer, OverlapMixer):
+    """Compressed PushSum under Overlap SGP: OverlapMixer's bounded-delay schedule, with each
+    peer's messages applied in the order they were sent."""
+
+    def __init__(self, buffer, topology: Topology, transport: Transport,
+                 progress: ProgressEngine, local: Optional[MPI.Comm] = None,
+                 push_sum: bool = True, codec: Optional[Codec] = None, max_delay: int = 1,
+                 step: Optional[float] = None, error_feedback: bool = True):
+        OverlapMixer.__init__(self, host_view(buffer), topology, transport, progress, local,
+                              push_sum, codec, max_delay)
+        self._compress(step, error_feedback)
+
+    def _collect(self, stale: int) -> None:
+        """Add arrived messages, oldest iteration first; a peer's message waits while an older
+        one from it is still out. Messages of iterations <= ``stale`` are waited for."""
+        behind: set[int] = set()
+        for pending in self.in_flight:
+            if pending.iteration <= stale:
+                self.progress.wait_receives(pending)
+            self._add_in_order(pending, behind)
+        self._release()
+
+    def _add_in_order(self, pending: Pending, behind: set[int]) -> None:
+        sources = pending.sources()
+        rows = []
+        for t, source in enumerate(sources):
+            if t in pending.added:
+                continue
+            if pending.complete[t] and source not in behind:
+                rows.append(t)
+            else:
+                behind.add(source)
+        if rows:
+            self.add([pending.received[t] for t in rows], [sources[t] for t in rows])
+            pending.added.update(rows)
+
+
+def _store(copies: dict, peer: int, values: np.ndarray) -> None:
+    """Set a public copy (allocated at an edge's first message, then reused)."""
+    if peer in copies:
+        copies[peer][...] = values
+    else:
+        copies[peer] = values.copy()
+
+
+def compressed(codec: "str | Codec") -> bool:
+    """Whether ``codec`` is gossiped by this module rather than pushed as is."""
+    return make_codec(codec).differential

@@ -1,0 +1,161 @@
+"""Properties of compressed PushSum (hvd_sgp/common/choco.py), pinned with hypothesis over
+random directed time-varying graphs, delays, codecs and consensus steps, in one process
+through the simulator (which drives the core's own mixers):
+
+- with an exact codec and gamma = 1 the compressed path computes what today's PushSum does;
+- with any codec, with or without error feedback, the network's numerators and weights (plus
+  what is in flight) are conserved, so the de-biased average cannot drift; pushing the
+  codecs' encodings naively (today's mixer) loses it;
+- with consensus steps inside CHOCO's stability condition (the defaults for int8 and
+  random-k, gamma = F for top-k, whose default 3 sqrt(F) is tuned for training from a common
+  start), nodes reach consensus on the true average from any start, and SGP converges on a
+  quadratic (within 1 / gamma of exact SGP's step-size bias), on every topology; training
+  from a common start converges with every default.
+"""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hvd_sgp.common.codecs import codec
+from hvd_sgp.common.topology import TOPOLOGIES, ExponentialGraph, make_topology
+from hvd_sgp.sim import SimNetwork, simulate
+from hvd_sgp.sim.objectives import Quadratic
+from test_properties import graphs
+
+LOSSY = ["int8", "int8:stochastic", "topk:0.3", "topk:0.1", "randomk:0.3"]
+
+
+def spread_out(net: SimNetwork, seed: int) -> None:
+    net.params[...] = 1 + np.random.default_rng(seed).normal(size=net.params.shape)
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(9, 33), delay=st.integers(0, 3), steps=st.integers(1, 25),
+       seed=st.integers(0, 2**16))
+def test_an_exact_codec_computes_todays_pushsum(n, delay, steps, seed):
+    """Exponential graphs have a period above every delay here, so messages on one edge never
+    overtake each other; then even Overlap SGP's arrivals match step for step."""
+    graph = ExponentialGraph(n)
+    today = SimNetwork(graph, 4, delay=delay, seed=seed)
+    compressed = SimNetwork(graph, 4, delay=delay, seed=seed, compressed=True,
+                            consensus_step=1.0)
+    assert type(compressed.mixers[0]).__name__.startswith("Choco")
+    for net in (today, compressed):
+        spread_out(net, seed)
+    for _ in range(steps):
+        today.step()
+        compressed.step()
+        assert np.allclose(compressed.params, today.params, rtol=1e-12, atol=1e-12)
+        assert np.allclose(compressed.weights(), today.weights(), rtol=1e-12, atol=1e-12)
+
+
+@settings(max_examples=30, deadline=None)
+@given(graph=graphs(), seed=st.integers(0, 2**16))
+def test_an_exact_codec_computes_todays_pushsum_on_any_synchronous_graph(graph, seed):
+    today = SimNetwork(graph, 3, seed=seed)
+    compressed = SimNetwork(graph, 3, seed=seed, compressed=True, consensus_step=1.0)
+    for net in (today, compressed):
+        spread_out(net, seed)
+    for _ in range(12):
+        today.step()
+        compressed.step()
+    assert np.allclose(compressed.params, today.params, rtol=1e-12, atol=1e-12)
+    assert np.allclose(compressed.weights(), today.weights(), rtol=1e-12, atol=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(graph=graphs(), delay=st.integers(0, 3), spec=st.sampled_from(LOSSY),
+       feedback=st.booleans(), step=st.floats(0.05, 1.0), seed=st.integers(0, 2**16))
+def test_compressed_gossip_conserves_the_average(graph, delay, spec, feedback, step, seed):
+    net = SimNetwork(graph, 6, delay=delay, seed=seed, codec=spec, error_feedback=feedback,
+                     consensus_step=step)
+    spread_out(net, seed)
+    numerators, weight = net.mass()
+    scale = np.abs(numerators).max()
+    for _ in range(20):
+        net.step()
+        x, w = net.mass()  # nodes plus in flight
+        assert np.abs(x - numerators).max() <= 1e-12 * scale
+        assert abs(w - weight) <= 1e-12 * weight
+    net.drain()
+    assert abs(net.in_flight()[1]) <= 1e-12 * weight
+    x, w = net.mass()
+    assert np.abs(x - numerators).max() <= 1e-12 * scale and abs(w - weight) <= 1e-12 * weight
+
+
+@pytest.mark.parametrize("spec", ["int8", "topk:0.25", "randomk:0.25"])
+def test_naive_pushes_lose_the_average_and_compressed_gossip_keeps_it(spec):
+    drifts = {}
+    for compressed in (False, True):
+        net = SimNetwork("random", 8, n=16, codec=spec, compressed=compressed, seed=1)
+        spread_out(net, 1)
+        start = net.average()
+        for _ in range(30):
+            net.step()
+        drifts[compressed] = np.linalg.norm(net.average() - start) / np.linalg.norm(start)
+    assert drifts[True] < 1e-13 < 1e-3 < drifts[False], drifts
+
+
+def topologies(n: int) -> list:
+    return [make_topology(name, n) for name in TOPOLOGIES if name != "bipartite" or n % 2 == 0]
+
+
+STABLE = {"int8": None, "topk:0.25": 0.25, "randomk:0.25": None}  # None: the codec's default
+
+
+@pytest.mark.parametrize("spec", sorted(STABLE))
+@pytest.mark.parametrize("n", [6, 11])
+def test_consensus_from_any_start_on_every_topology(spec, n):
+    worst = {}
+    for topology in topologies(n):
+        net = SimNetwork(topology, 8, codec=spec, seed=2, consensus_step=STABLE[spec])
+        spread_out(net, 2)
+        truth = net.average()
+        for _ in range(6000):
+            net.step()
+            error = np.abs(net.params - truth).max()
+            if error < 1e-9:
+                break
+        worst[topology.name] = error
+    assert max(worst.values()) < 1e-9, worst
+
+
+@settings(max_examples=12, deadline=None)
+@given(graph=graphs(), spec=st.sampled_from(sorted(STABLE)), delay=st.integers(0, 2),
+       seed=st.integers(0, 2**16))
+def test_compressed_sgp_converges_on_a_quadratic_as_exact_sgp_does(graph, spec, delay, seed):
+    """SGP with a decaying step on f = mean_i f_i (different curvatures and minimisers per
+    node, exact gradients), from a common start. Both end with a bias proportional to the
+    step over the mixing rate (slow-mixing graphs leave more); compressed gossip mixes about
+    gamma times slower, so its error keeps shrinking with the step and ends within 1 / gamma
+    of exact gossip's on the same graph."""
+    errors = []
+    gamma = STABLE[spec] or codec(spec).consensus_step
+    for codec_spec, step in (("none", None), (spec, STABLE[spec])):
+        net = SimNetwork(graph, 4, delay=delay, seed=seed, codec=codec_spec,
+                         consensus_step=step)
+        task = Quadratic(net.n, 4, seed=seed, noise=0.0)
+        rng = np.random.default_rng(seed)
+        net.params[...] = 0.0
+        for k in range(2000):
+            net.params[...] -= 0.3 / (1 + k / 20) * task.gradient(net.params, rng)
+            net.step()
+            if k + 1 in (500, 2000):
+                errors.append(np.abs(net.params - task.optimum).max()
+                              / np.abs(task.optimum).max())
+    exact, (early, late) = errors[1], errors[2:]
+    assert late <= early + 1e-9 and late <= exact / gamma + 0.02, (errors, gamma)
+
+
+@pytest.mark.parametrize("name", sorted(TOPOLOGIES))
+def test_simulate_trains_with_codecs_and_local_steps(name):
+    n = 8
+    base = dict(topology=name, nodes=n, steps=200, lr=0.05, spread=0.0, dim=16)
+    exact = simulate(**base)[-1]
+    for spec in ("int8", "topk:0.25"):
+        for local_steps in (1, 4):
+            last = simulate(codec=spec, local_steps=local_steps, **base)[-1]
+            assert last["loss"] < exact["loss"] * 1.05, (spec, local_steps, last, exact)
+            assert last["bytes"] < exact["bytes"] / (local_steps if spec == "int8" else 1)
+    assert codec("topk:0.25").differential and not codec("fp16").differential
