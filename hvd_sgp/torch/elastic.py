@@ -79,41 +79,6 @@ class ElasticSampler(torch.utils.data.Sampler):
         return self.num_samples
 
 
-class _ModelHandler(_elastic.StateHandler):
-    parameters = True
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__(model)
-        self.save()
-
-    def save(self) -> None:
-        self._saved = copy.deepcopy(self.value.state_dict())
-
-    def restore(self) -> None:
-        self.value.load_state_dict(self._saved)  # copies in place: SGP's buffer views stay
-
-    def sync(self) -> None:
-        broadcast_parameters(self.value.state_dict(), root_rank=0)
-
-
-class _OptimizerHandler(_elastic.StateHandler):
-    parameters = True
-
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        super().__init__(optimizer)
-        self.save()
-
-    def save(self) -> None:
-        self._saved = copy.deepcopy(self.value.state_dict())
-
-    def restore(self) -> None:
-        self.value.load_state_dict(self._saved)
-
-    def sync(self) -> None:
-        broadcast_optimizer_state(self.value, root_rank=0)
-        _elastic.reset_gossip(self.value)
-
-
 class _StateDictHandler(_elastic.StateHandler):
     """Anything with state_dict()/load_state_dict(): samplers, learning rate schedulers."""
 
@@ -129,6 +94,21 @@ class _StateDictHandler(_elastic.StateHandler):
 
     def sync(self) -> None:
         self.value.load_state_dict(broadcast_object(self.value.state_dict()))
+
+
+class _ModelHandler(_StateDictHandler):
+    parameters = True
+
+    def sync(self) -> None:
+        broadcast_parameters(self.value.state_dict(), root_rank=0)
+
+
+class _OptimizerHandler(_StateDictHandler):
+    parameters = True
+
+    def sync(self) -> None:
+        broadcast_optimizer_state(self.value, root_rank=0)
+        _elastic.reset_gossip(self.value)
 
 
 HANDLERS = [(torch.nn.Module, _ModelHandler), (torch.optim.Optimizer, _OptimizerHandler),
