@@ -242,6 +242,34 @@ def check_horovod_behaviours():
 
 
 @checks
+def check_gradients_are_views_of_the_reduced_buffer():
+    """Reduced gradients come back as views of the flat gradient buffer (no copy back), and
+    with zero_grad(set_to_none=False) backward accumulates into that buffer: the averages
+    stay exact either way, step after step."""
+    model = mlp(6)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   mode="allreduce")
+    gen = torch.Generator().manual_seed(60 + me)
+    for set_to_none in (True, False, False, True):
+        opt.zero_grad(set_to_none=set_to_none)
+        torch.nn.functional.mse_loss(model(torch.randn(8, 4, generator=gen)),
+                                     torch.randn(8, 1, generator=gen)).backward()
+        local = [p.grad.detach().clone() for p in model.parameters()]
+        expected = [hvd.allreduce(g, op=hvd.Average, name=f"view.{i}")
+                    for i, g in enumerate(local)]
+        opt.synchronize()
+        flat_grads = opt._groups[0].grad
+        for p, want in zip(model.parameters(), expected):
+            start = p.grad.data_ptr() - flat_grads.data_ptr()
+            assert n == 1 or 0 <= start < flat_grads.numel() * flat_grads.element_size(), \
+                "the reduced gradient is not a view of the flat buffer"  # (1 rank: no sum)
+            assert torch.allclose(p.grad, want, atol=1e-6), (p.grad - want).abs().max()
+        with opt.skip_synchronize():
+            opt.step()
+    checks.ok("reduced gradients are views of the flat buffer, exact with set_to_none on/off")
+
+
+@checks
 def check_state_dict_and_consensus():
     model = mlp(6 + me)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),

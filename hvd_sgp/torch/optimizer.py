@@ -114,6 +114,11 @@ class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
         finally:
             self._should_skip = False
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self._groups:  # autograd's gradients go when they went without the views
+            group.release_replaced()
+        super(self.__class__, self).zero_grad(set_to_none)
+
     # torch.amp.GradScaler then calls step() even when it found inf/NaN gradients (handing us
     # ``found_inf``), so a node that skips its local update still gossips: its peers never wait
     # for an exchange that does not come.
