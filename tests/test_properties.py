@@ -56,3 +56,20 @@ def test_debiased_nodes_reach_the_true_average(graph, seed):
             break
     assert np.abs(net.params - truth).max() < 1e-8
     assert (net.weights() > 0).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(size=st.integers(1, 3 * (1 << 14) + 5), t=st.floats(1e-3, 1.0),
+       dtype=st.sampled_from([np.float32, np.float64]), seed=st.integers(0, 2**16))
+def test_the_blocked_numpy_lerp_is_a_lerp(size, t, dtype, seed):
+    """How a message is summed in (pushsum.add): the numpy kit's lerp, block by block when no
+    framework lent a fused one, equals a + t (b - a) on every element, across block edges."""
+    from hvd_sgp.common.arrays import NumpyKit
+
+    rng = np.random.default_rng(seed)
+    a, b = rng.normal(size=size).astype(dtype), rng.normal(size=size).astype(dtype)
+    expected = a.astype(np.float64) + t * (b.astype(np.float64) - a)
+    kit = NumpyKit()
+    kit.native_lerp = None
+    kit.lerp(a, b, t)
+    assert np.allclose(a, expected, rtol=0, atol=8 * np.finfo(dtype).eps)

@@ -97,6 +97,7 @@ class ChocoMixer(PushSumMixer):
         self._scratch = np.empty(self.width, self.buffer.dtype)
         self.codec_seconds = 0.0  # encoding, decoding and copy updates (no communication)
         self.ledger: Optional[np.ndarray] = None  # per entry: mass sent - received (tests)
+        self._numerators = False  # the shard holds x = w z (from begin or drain to settle)
 
     @property
     def shard(self) -> np.ndarray:
@@ -131,6 +132,7 @@ class ChocoMixer(PushSumMixer):
         self.codec_seconds += time.perf_counter() - began
         if self.track_weight:
             x *= weight  # the numerator
+            self._numerators = True
         for peer, share in zip(out_peers, shares):  # every difference is taken from one z
             mass = self.step * share * weight
             np.multiply(self.sent[peer], mass, out=self._scratch)
@@ -195,8 +197,25 @@ class ChocoMixer(PushSumMixer):
             weights.append(weight)
             self._record(-1.0, weight, copy)
         if self.track_weight:
-            self._check_weights(weights, sources)
+            for share, source in zip(weights, sources):
+                self._check_weight(share, float(self.buffer[self.n]), source)
             self.buffer[self.n] += sum(weights)
+
+    def settle(self) -> None:
+        """De-bias the numerators this mixer summed into (unlike PushSumMixer's, CHOCO's
+        shares are differences of copies, so it sums numerators), then end the iteration."""
+        self._debias()
+        super().settle()
+
+    def abandon(self) -> None:
+        self._debias()
+        super().abandon()
+
+    def _debias(self) -> None:
+        if self._numerators:
+            shard = self.shard
+            shard /= self.buffer[self.n]
+            self._numerators = False
 
     def _record(self, sign: float, weight: float, copy: np.ndarray) -> None:
         """Mass ledgers for tests (the weight share times the copy, and the share): totals in
@@ -241,6 +260,13 @@ class ChocoOverlapMixer(ChocoMixer, OverlapMixer):
         OverlapMixer.__init__(self, host_view(buffer), topology, transport, progress, local,
                               push_sum, codec, max_delay)
         self._compress(step, error_feedback)
+
+    def drain(self) -> None:
+        if self.track_weight and not self._numerators:  # sum the stragglers into numerators
+            shard = self.shard
+            shard *= self.buffer[self.n]
+            self._numerators = True
+        super().drain()
 
     def _collect(self, stale: int) -> None:
         """Add arrived messages, oldest iteration first; a peer's message waits while an older

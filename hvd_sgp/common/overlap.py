@@ -55,7 +55,6 @@ class OverlapMixer(PushSumMixer):
 
     def drain(self) -> None:
         """Sum in every message still in flight (for evaluation, checkpoints, mode switches)."""
-        self._rebias()
         self._collect(stale=self.iteration)
         for pending in self.in_flight:
             self.progress.wait_all(pending)
@@ -68,11 +67,6 @@ class OverlapMixer(PushSumMixer):
         super().abandon()
         self.in_flight.clear()
         self._slots.clear()
-
-    def _rebias(self) -> None:
-        if self.track_weight:
-            self.buffer[self.start:self.stop] *= self.buffer[self.n]
-            self._unsettled = 1.0
 
     def _collect(self, stale: int) -> None:
         """Add arrived messages; wait for those of iterations <= ``stale``."""

@@ -1,10 +1,14 @@
 """PushSum mixing on one fused flat buffer.
 
 Layout: ``buffer[:n]`` holds the de-biased parameters z = x / w (what the model reads and the
-optimizer updates) and ``buffer[n]`` the PushSum weight w. One iteration re-biases (x = w z),
-keeps its own share, pushes the rest to its out-peers in one message each (parameters and weight
-together), adds what arrives and de-biases again. Where every mixing matrix is doubly
-stochastic and delivery is synchronous, w stays 1: the weight is neither sent nor divided by.
+optimizer updates) and ``buffer[n]`` the PushSum weight w. The numerators x = w z are never
+formed: a push sends z itself with its weight share s = p w (the message is the buffer, shard
+and weight slot, where no copy is needed), the node keeps w (1 - sum p), and a message (z', s)
+is summed in as (w z + s z') / (w + s), one in-place lerp z += s / (w + s) (z' - z). That is
+PushSum's update exactly (the numerators w z + s z' and weights w + s are PushSum's), in one
+pass per message instead of re-biasing, adding and de-biasing (three). Where every mixing
+matrix is doubly stochastic and delivery is synchronous, w returns to 1 after each iteration
+and is reset to exactly 1 (``track_weight`` off).
 
 Within a node of L ranks, local rank l carries only shard l of the buffer to local rank l of
 the peer nodes (every NIC works), then the node gathers the shards back.
@@ -103,9 +107,8 @@ class PushSumMixer:
         self._message = self._message_spec()
         self.audit: Optional[Audit] = None
         self._size = (self.codec.nbytes(self.width) + WEIGHT_BYTES if self._wire
-                      else self.width + int(self.track_weight))
+                      else self.width + 1)
         self._slot = Slot(self.kit, buffer)  # synchronous iterations reuse one
-        self._unsettled: Optional[float] = None  # share kept by an iteration not yet settled
 
     @property
     def weight(self) -> float:
@@ -121,10 +124,9 @@ class PushSumMixer:
         return self.stop - self.start
 
     def _message_spec(self):
-        """What one uncompressed push sends: the shard, plus the weight slot when tracked."""
-        shard = self.buffer[self.start:self.stop]
-        if self._wire or not self.track_weight:
-            return shard
+        """What one uncompressed push sends in place: the shard and the weight slot."""
+        if self._wire:
+            return self.buffer[self.start:self.stop]
         if self.start == 0 and self.stop == self.n:
             return self.buffer
         dtype = self._mpi_type.Create_indexed([self.width, 1], [self.start, self.n])
@@ -141,7 +143,8 @@ class PushSumMixer:
         """Nothing is in flight between synchronous iterations."""
 
     def begin(self, slot: Optional[Slot] = None) -> Pending:
-        """Keep this node's share and post the pushes and receives of the current iteration.
+        """Keep this node's share of the weight and post the pushes and receives of the
+        current iteration.
 
         Pushes read the buffer itself where they can (``finish`` completes them before the
         next local step). With a ``slot`` (Overlap SGP) they are copies in it instead, so the
@@ -154,24 +157,18 @@ class PushSumMixer:
         out_peers, in_peers = phase.out_peers[self.node], phase.in_peers(self.node)
         shares = phase.out_weights[self.node]
         shard = self.buffer[self.start:self.stop]
-        # an untracked weight stays 1 in the buffer; the share arithmetic runs on a scratch copy
-        weight = self.buffer[self.n:] if self.track_weight else self.kit.ones(self.buffer, 1)
-        scale = float(weight[0])
+        weight = float(self.buffer[self.n])
         keep = phase.self_weights[self.node]
-        if phase.uniform_out(self.node):  # own share == every peer's share: one message
-            shard *= scale * keep
-            weight *= keep
-            message = (self._copy(slot, 0, shard, float(weight[0]))
-                       if out_peers and (detach or self._wire) else self._message)
+        self.buffer[self.n] = weight * keep
+        if out_peers and phase.uniform_out(self.node):  # one message serves every out-peer
+            in_place = not (detach or self._wire) and shares[0] == keep
+            message = self._message if in_place else self._copy(slot, 0, shard,
+                                                                weight * shares[0])
             sends = [(peer, message) for peer in out_peers]
         else:
-            shard *= scale
-            sends = [(peer, self._copy(slot, t, shard, float(weight[0]), share))
+            sends = [(peer, self._copy(slot, t, shard, weight * share))
                      for t, (peer, share) in enumerate(zip(out_peers, shares))]
-            shard *= keep
-            weight *= keep
         received = slot.receive(len(in_peers), self._size, self._wire)
-        self._unsettled = keep
         self.kit.ready(self.buffer)
         pending = self.transport.start(self.iteration, sends,
                                        [(peer, received[t]) for t, peer in enumerate(in_peers)])
@@ -181,20 +178,15 @@ class PushSumMixer:
                 self.audit.sent += self._mass(message)
         return pending
 
-    def _copy(self, slot: Slot, index: int, shard, weight: float, share: float = 1.0):
-        """Message ``index`` of this iteration written into ``slot``: share x the shard (encoded
-        when a codec is set) and share x the weight where it travels."""
+    def _copy(self, slot: Slot, index: int, shard, share: float):
+        """Message ``index`` of this iteration written into ``slot``: the shard (encoded when
+        a codec is set) and its weight share."""
         out = slot.send(index, self._size, self._wire)
         if self._wire:
-            self.kit.pack(self.codec, shard if share == 1.0 else shard * share, weight * share,
-                          out)
+            self.kit.pack(self.codec, shard, share, out)
             return out
-        values = out[:self.width]
-        values[...] = shard
-        if share != 1.0:
-            values *= share
-        if self.track_weight:
-            out[self.width] = weight * share
+        out[:self.width] = shard
+        out[self.width] = share
         return out
 
     def finish(self, pending: Pending) -> None:
@@ -205,41 +197,42 @@ class PushSumMixer:
         self.settle()
 
     def settle(self) -> None:
-        """De-bias the shard and gather the node's shards back into the whole buffer."""
-        if self.track_weight:
-            self.buffer[self.start:self.stop] /= self.buffer[self.n]
-        self._unsettled = None
+        """End the iteration: an untracked weight back to exactly 1, and the node's shards
+        gathered back into the whole buffer. The ablation without PushSum (``push_sum``
+        off) keeps the sums un-normalized, as mixing numerators without the weight does."""
+        if not self.track_weight:
+            if not self.push_sum:
+                shard = self.buffer[self.start:self.stop]
+                shard *= self.buffer[self.n]
+            self.buffer[self.n] = 1
         self.part.gather()
 
     def abandon(self) -> None:
-        """Give up the iteration in flight (a peer was lost): de-bias the shard as it stands,
-        dropping what did not arrive; the messages in flight are never added."""
-        if self._unsettled is not None:
-            shard = self.buffer[self.start:self.stop]
-            shard /= self.buffer[self.n] if self.track_weight else self._unsettled
-            self._unsettled = None
+        """Give up the iteration in flight (a peer was lost): the shard is de-biased as it
+        stands (it always is); the messages in flight are never added."""
+        if not self.track_weight:
+            self.buffer[self.n] = 1
 
     def add(self, received, sources: list[int]) -> None:
-        """Add received messages (one row each) into the re-biased shard and the weight."""
+        """Sum received messages (one row each: parameters z' and weight share s) into the
+        shard, each as z += s / (w + s) (z' - z), w += s."""
         shard = self.buffer[self.start:self.stop]
-        weights = []
+        weight = float(self.buffer[self.n])
         for row, source in zip(received, sources):
             if not self._wire:
-                values = row[:self.width]
-                weights.append(row[self.width] if self.track_weight else 1.0)
+                values, share = row[:self.width], float(row[self.width])
             else:
-                values, weight = self.kit.unpack(self.codec, row, self.width)
-                weights.append(weight)
+                values, share = self.kit.unpack(self.codec, row, self.width)
+            self._check_weight(share, weight, source)
             if not self.kit.finite(self._checked(values)):
                 raise SgpError(f"received NaN or infinite parameters from "
                                f"{self.transport.peer_name(source)} at iteration "
                                f"{self.iteration}: that rank diverged")
-            shard += values
+            weight += share
+            self.kit.lerp(shard, values, share / weight)
             if self.audit is not None:
                 self.audit.received += self._mass(row)
-        if self.track_weight:
-            self._check_weights(weights, sources)
-            self.buffer[self.n] += sum(float(w) for w in weights)
+        self.buffer[self.n] = weight
 
     # The NaN check of a received message reads SAMPLE evenly spaced values on most iterations
     # and all of them every FULL_CHECK_EVERY iterations: a diverged peer's parameters are NaN
@@ -254,22 +247,20 @@ class PushSumMixer:
         return values[::len(values) // self.SAMPLE]
 
     def _mass(self, message) -> np.ndarray:
-        """(sum of numerators, weight) carried by one message, for the audit."""
+        """(sum of numerators, weight) carried by one message, for the audit: share x z."""
         if isinstance(message, list):  # [buffer, 1, indexed datatype]: the live shard + weight
             message = self.kit.concat([self.buffer[self.start:self.stop], self.buffer[self.n:]])
         if self._wire:
-            values, weight = self.kit.unpack(self.codec, message, self.width)
-            return np.array([self.kit.total(values), weight])
-        weight = float(message[self.width]) if self.track_weight else 0.0
-        return np.array([self.kit.total(message[:self.width]), weight])
+            values, share = self.kit.unpack(self.codec, message, self.width)
+        else:
+            values, share = message[:self.width], float(message[self.width])
+        return np.array([share * self.kit.total(values), share])
 
-    def _check_weights(self, weights, sources) -> None:
-        for w, peer in zip(weights, sources):
-            if not math.isfinite(float(w)) or w <= 0:
-                raise SgpError(f"received PushSum weight {float(w)!r} from "
-                               f"{self.transport.peer_name(peer)} at "
-                               f"iteration {self.iteration}: the sender diverged (NaN/inf)")
-        own = float(self.buffer[self.n])
+    def _check_weight(self, share: float, own: float, peer: int) -> None:
+        if not math.isfinite(share) or share <= 0:
+            raise SgpError(f"received PushSum weight {share!r} from "
+                           f"{self.transport.peer_name(peer)} at "
+                           f"iteration {self.iteration}: the sender diverged (NaN/inf)")
         if not math.isfinite(own) or own <= 0:
             raise SgpError(f"own PushSum weight is {own!r} at iteration {self.iteration}")
 

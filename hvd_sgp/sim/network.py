@@ -243,14 +243,13 @@ class SimNetwork:
             rows.extend(self.progress.unsummed())
         numerators = np.zeros(self.dim)
         weight = 0.0
-        for row in rows:
+        for row in rows:  # a push carries parameters z and a weight share s: mass s z
             if self.codec.exact:
-                numerators += row[:self.dim]
-                weight += float(row[self.dim]) if row.size > self.dim else 0.0
+                values, share = row[:self.dim], float(row[self.dim])
             else:
                 values, share = unpack(self.codec, row, self.dim)
-                numerators += values
-                weight += share
+            numerators += share * values
+            weight += share
         return numerators, weight
 
     def mass(self) -> tuple[np.ndarray, float]:

@@ -44,6 +44,10 @@ class TorchKit(arrays.ArrayKit):
     def to_numpy(self, a: torch.Tensor) -> np.ndarray:
         return a.detach().to("cpu", torch.float64).numpy()
 
+    def lerp(self, a: torch.Tensor, b: torch.Tensor, t: float) -> None:
+        with torch.no_grad():
+            a.lerp_(b.to(a.dtype), t)
+
     def ready(self, a: torch.Tensor) -> None:
         if a.is_cuda:
             torch.cuda.current_stream(a.device).synchronize()
@@ -85,6 +89,13 @@ class TorchKit(arrays.ArrayKit):
         return message[:-WEIGHT_BYTES].view(cast), weight
 
 
+def _lerp_numpy(a: np.ndarray, b: np.ndarray, t: float) -> None:
+    target = torch.from_numpy(a)
+    target.lerp_(torch.from_numpy(b).to(target.dtype), t)
+
+
 def register() -> None:
-    """Let the core mix torch tensors (called when the first flat buffer is built)."""
+    """Let the core mix torch tensors, and lend its numpy kit torch's fused lerp (called when
+    the first flat buffer is built)."""
     arrays.register(torch.Tensor, TorchKit())
+    arrays.NUMPY.native_lerp = _lerp_numpy
