@@ -11,7 +11,7 @@ from mpi_launch import run_mpi
 def test_overlap_core(n):
     out = run_mpi(n, "overlap_checks.py", "2000", "1,2", timeout=900).stdout
     assert f"all overlap checks passed on {n} ranks" in out
-    assert "tau=1" in out and "tau=2" in out
+    assert "tau=1" in out and "tau=2" in out and "pushes in place" in out
 
 
 def final_accuracy(out):

@@ -146,6 +146,11 @@ class SgpSession:
         if self._engine is not None:
             self._engine.set_epoch(self._epoch)
 
+    def release(self) -> None:
+        """Call before writing the buffers outside a step (see GossipEngine.release)."""
+        if self._engine is not None:
+            self._engine.release()
+
     def drain(self) -> None:
         if self._engine is not None:
             self._engine.drain()

@@ -49,7 +49,7 @@ from hvd_sgp.common.node import NodeShard, average_arrays, exact_average
 from hvd_sgp.common.options import SgpOptions
 from hvd_sgp.common.outer import OuterLoop
 from hvd_sgp.common.overlap import OverlapMixer
-from hvd_sgp.common.pushsum import PushSumMixer, drain, exchange
+from hvd_sgp.common.pushsum import PushSumMixer, drain, exchange, release
 from hvd_sgp.common.topology import BipartiteExponentialGraph, make_topology
 from hvd_sgp.common.transport import PeerTransport, Progress
 
@@ -142,15 +142,16 @@ class GossipEngine:
                   "every rank its own SGP node", file=sys.stderr, flush=True)
 
     def _guard(self, action: Callable[[], T], what: str, retry: bool = True,
-               on_repair: Callable[[], None] = lambda: None) -> T:
+               on_repair: Callable[[], None] = lambda: None, access: bool = True) -> T:
         """Run a public operation. A lost peer (fault-tolerant mode) goes up as PeerLostError
         under hvd.elastic.run; in a plain script the world is repaired here, ``on_repair``
         undoes what the failed attempt left, and the operation runs again on the survivors
-        (``retry``) or counts as done (a step whose exchange the repair's fold replaced)."""
+        (``retry``) or counts as done (a step whose exchange the repair's fold replaced).
+        ``access`` off: the action does not need the buffers to hold the parameters."""
         while True:
             try:
                 with recovery.translated(what):
-                    return self._live(action)
+                    return self._live(action) if access else action()
             except PeerLostError:
                 if not recovery.repairs_in_step():
                     raise
@@ -210,8 +211,9 @@ class GossipEngine:
             if self.progress is None:
                 self.progress = Progress(self.transport)
             kind = ChocoOverlapMixer if compress else OverlapMixer
+            extra = compress or {"in_place": True}  # the buffers are written after begin_step
             self.mixers = [kind(buf, topology, self.transport, self.progress, self.local,
-                                push_sum, self.codec, self.options.max_delay, **compress)
+                                push_sum, self.codec, self.options.max_delay, **extra)
                            for buf in self.buffers]
         else:
             kind = ChocoMixer if compress else PushSumMixer
@@ -231,6 +233,7 @@ class GossipEngine:
         so that all ranks take the same steps from there on.
         """
         self._optimizer_state = _weakly(optimizer_state)
+        self.release()  # before the adapter reaches the buffers (a staged copy writes them)
         plan = self._guard(lambda: self._begin_step(self._optimizer_state), "the start of a step")
         self._in_call = True
         return plan
@@ -448,6 +451,11 @@ class GossipEngine:
             result["elastic"] = self.elastic.update(result["deviation"], lr)
             return result
         return self._guard(measure, "the consensus measure")
+
+    def release(self) -> None:
+        """Wait until no push in flight reads the buffers in place (Overlap SGP, tau = 1): the
+        local step, or an adapter loading new values, writes them next."""
+        self._guard(lambda: release(self.mixers), "the pushes in flight", access=False)
 
     def drain(self) -> None:
         """Complete every exchange in flight (only Overlap SGP leaves any between steps)."""

@@ -8,6 +8,15 @@ Mass in flight is part of the invariant: sum over nodes plus in flight is conser
 Memory is bounded: the copies live in a ring of max_delay + 1 reused slots, and a node also
 waits for its own pushes of iteration k - max_delay to be taken (its out-peers have reached
 that iteration), so at most max_delay iterations stay out between steps.
+
+``in_place`` (tau = 1, uncompressed, one share for every out-peer): the push reads the buffer
+itself, as a synchronous one does, instead of a copy. It saves a pass over the model per step
+(on shared memory, where no link time hides it, that pass is most of what Overlap SGP costs
+beyond its exchange). The buffer must then stay unchanged until the push is taken: the
+messages that arrived are summed in before the push is posted, and ``release()`` waits for the
+push before anything writes the buffer again (the engine calls it before the local step).
+With tau = 1 that costs nothing: the next iteration waited for the same push anyway, a local
+step later.
 """
 from __future__ import annotations
 
@@ -29,32 +38,46 @@ class OverlapMixer(PushSumMixer):
 
     def __init__(self, buffer, topology: Topology, transport: Transport,
                  progress: ProgressEngine, local: Optional[MPI.Comm] = None,
-                 push_sum: bool = True, codec: Optional[Codec] = None, max_delay: int = 1):
+                 push_sum: bool = True, codec: Optional[Codec] = None, max_delay: int = 1,
+                 in_place: bool = False):
         if max_delay < 1:
             raise SgpValueError(f"max_delay must be >= 1 for Overlap SGP, got {max_delay}")
         super().__init__(buffer, topology, transport, local, push_sum, codec,
                          track_weight=push_sum)
         self.progress = progress
         self.max_delay = max_delay
+        self.in_place = in_place and max_delay == 1 and not self._wire and push_sum
         self.in_flight: deque[Pending] = deque()
         self._slots: dict[int, Slot] = {}  # by iteration, for the pendings in flight
         self._free: list[Slot] = []
 
     def mix(self) -> None:
+        stale = self.iteration - self.max_delay
+        if self.in_place:  # sum in first: the push will read the buffer until it is taken
+            self.release()
+            self._collect(stale)
         slot = self._free.pop() if self._free else Slot(self.kit, self.buffer)
         pending = self.begin(slot)
         self._slots[pending.iteration] = slot
         self.progress.submit(pending)
         self.in_flight.append(pending)
-        self._collect(stale=self.iteration - self.max_delay)
+        if not self.in_place:  # the push is a copy: sum in what arrived meanwhile
+            self._collect(stale)
         while len(self.in_flight) > self.max_delay:  # its receives are in: wait for its sends
             self.progress.wait_all(self.in_flight[0])
             self._release()
         self.iteration += 1
         self.settle()
 
+    def release(self) -> None:
+        """Wait until no push in flight reads the buffer in place (before it is written)."""
+        if self.in_place:
+            for pending in self.in_flight:
+                self.progress.wait_sends(pending)
+
     def drain(self) -> None:
         """Sum in every message still in flight (for evaluation, checkpoints, mode switches)."""
+        self.release()
         self._collect(stale=self.iteration)
         for pending in self.in_flight:
             self.progress.wait_all(pending)

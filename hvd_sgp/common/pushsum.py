@@ -134,6 +134,7 @@ class PushSumMixer:
         return [self.buffer, 1, dtype]
 
     overlapped = False  # iterations complete within mix(): nothing stays in flight
+    in_place = False  # Overlap SGP's pushes are copies unless it says otherwise (overlap.py)
 
     def mix(self) -> None:
         """One synchronous PushSum iteration over this iteration's graph."""
@@ -149,10 +150,11 @@ class PushSumMixer:
         Pushes read the buffer itself where they can (``finish`` completes them before the
         next local step). With a ``slot`` (Overlap SGP) they are copies in it instead, so the
         next local steps can run while they are in flight; the slot stays untouched until the
-        returned requests complete.
+        returned requests complete. An ``in_place`` overlap mixer keeps only its receive rows
+        in the slot.
         """
-        detach = slot is not None
-        slot = slot if detach else self._slot
+        copies = slot is not None and not self.in_place
+        slot = slot if slot is not None else self._slot
         phase = self.topology.phase(self.iteration)
         out_peers, in_peers = phase.out_peers[self.node], phase.in_peers(self.node)
         shares = phase.out_weights[self.node]
@@ -161,7 +163,7 @@ class PushSumMixer:
         keep = phase.self_weights[self.node]
         self.buffer[self.n] = weight * keep
         if out_peers and phase.uniform_out(self.node):  # one message serves every out-peer
-            in_place = not (detach or self._wire) and shares[0] == keep
+            in_place = not (copies or self._wire) and shares[0] == keep
             message = self._message if in_place else self._copy(slot, 0, shard,
                                                                 weight * shares[0])
             sends = [(peer, message) for peer in out_peers]
@@ -206,6 +208,9 @@ class PushSumMixer:
                 shard *= self.buffer[self.n]
             self.buffer[self.n] = 1
         self.part.gather()
+
+    def release(self) -> None:
+        """Synchronous pushes are taken within mix(): none is in flight between steps."""
 
     def abandon(self) -> None:
         """Give up the iteration in flight (a peer was lost): the shard is de-biased as it
@@ -276,6 +281,12 @@ def exchange(mixers: Sequence[PushSumMixer]) -> None:
     pending = [mixer.begin() for mixer in mixers]
     for mixer, p in zip(mixers, pending):
         mixer.finish(p)
+
+
+def release(mixers: Sequence[PushSumMixer]) -> None:
+    """Wait until no push in flight reads a buffer in place: call before writing them."""
+    for mixer in mixers:
+        mixer.release()
 
 
 def drain(mixers: Sequence[PushSumMixer]) -> None:

@@ -114,6 +114,8 @@ class ProgressEngine(Protocol):
 
     def wait_receives(self, pending: Pending) -> None: ...
 
+    def wait_sends(self, pending: Pending) -> None: ...
+
     def wait_all(self, pending: Pending) -> None: ...
 
     def close(self) -> None: ...
@@ -260,6 +262,10 @@ class Progress:
     def wait_receives(self, pending: Pending) -> None:
         """Block until every receive of ``pending`` has completed, or raise past the deadline."""
         self._wait(pending, lambda p: all(c for c, k in zip(p.complete, p.kinds) if k == "receive"))
+
+    def wait_sends(self, pending: Pending) -> None:
+        """Block until every send of ``pending`` has completed, or raise past the deadline."""
+        self._wait(pending, lambda p: all(c for c, k in zip(p.complete, p.kinds) if k == "send"))
 
     def wait_all(self, pending: Pending) -> None:
         self._wait(pending, lambda p: all(p.complete))

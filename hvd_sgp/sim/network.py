@@ -141,6 +141,11 @@ class SimProgress:
                 self.mailbox.deliver(request.key, request.row)
                 pending.complete[t] = True
 
+    def wait_sends(self, pending: Pending) -> None:
+        """The mailbox copied every send when it was posted: none reads the sender's buffer."""
+        pending.complete = [done or request.row is None
+                            for done, request in zip(pending.complete, pending.requests)]
+
     def wait_all(self, pending: Pending) -> None:
         self.wait_receives(pending)
         pending.complete = [True] * len(pending.requests)

@@ -150,6 +150,7 @@ class VariableGossip:
                 self.variables[i].assign(part)
 
     def _load(self, flats) -> None:
+        self.session.release()  # an Overlap SGP push may still read them in place
         for buf, flat in zip(self.session.buffers, flats):
             buf[:-1] = flat
 
