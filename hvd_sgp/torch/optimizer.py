@@ -51,7 +51,7 @@ class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
                      for i, p in enumerate(all_params)]
         self._session = adapter.SgpSession(config, StagedAccess(self._groups),
                                            [g.buffer for g in self._groups], signature)
-        self._session.start()  # now: ranks compare their models and options at wrapping
+        self._session.start_at_wrapping()  # ranks compare their models and options now
         self._session.own(self)
         self._passes = {}
         count = weakref.WeakMethod(self._count_pass)  # the model may outlive the optimizer
