@@ -640,3 +640,16 @@ def _notify(change: WorldChange) -> None:
             callback(change)
         else:  # collected on some rank: gone for good
             _subscribers.pop(key, None)
+    if change.joined:
+        _renumber()
+
+
+def _renumber() -> None:
+    """After replacements joined: the keys that remain (the optimizers' engines retired) are
+    numbered from 0, as a replacement numbers its own from init(), so that the subscribers
+    registered from here on, in the same order everywhere, get the same keys everywhere
+    (``_notify`` agrees on the keys)."""
+    remaining = list(_subscribers.values())
+    _subscribers.clear()
+    _subscribers.update(enumerate(remaining))
+    _next_key[0] = len(remaining)
