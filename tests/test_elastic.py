@@ -2,7 +2,8 @@
 
 Real processes killed with os._exit or SIGKILL at chosen steps, on 4 and 8 ranks, every rank
 its own node and two ranks per node: the survivors finish, nobody hangs, the job's status is 0,
-the PushSum ledger holds; elastic scripts in Horovod's idiom (torch, Keras) recover in place;
+the PushSum ledger holds; with --max-np replacements are spawned and the job finishes at
+full size; elastic scripts in Horovod's idiom (torch, Keras) recover in place;
 digits with one of 8 ranks killed reaches the uninterrupted run's accuracy. Without fault
 tolerance the same elastic script runs as a plain job. Launch-free parts (sgprun's command,
 the exit-status records) are checked without MPI.

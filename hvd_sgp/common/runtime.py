@@ -7,7 +7,9 @@ nodes of L ranks instead, so one machine can emulate several nodes.
 
 After a repair (``repair``) the world holds the survivors, ``rank()``/``size()`` report the new
 world, and whatever built communicators of its own from the old one rebuilds them in a
-callback registered with ``on_world_change``.
+callback registered with ``on_world_change``. With HVD_SGP_MAX_NP the repair then grows the
+world back with spawned replacements (``_grow``); a replacement's ``init()`` is its side of
+that (``_arrive``).
 """
 from __future__ import annotations
 
