@@ -557,8 +557,8 @@ def _grow(state: _State, seats: dict, known: set) -> Optional[WorldChange]:
     _install(state, world, local, cross, entries)
     joined = tuple(origin for origin, _, _, _ in plan["newcomers"])
     known.update(joined)
-    seats.update({origin: (plan["slots"][origin], node, host)
-                  for origin, node, host in entries if origin in joined})
+    seats.update({origin: (plan["slots"][origin], node, host)  # (a later attempt's plan)
+                  for origin, node, host in entries})
     change = WorldChange(world, local, cross, (), size_before, False, joined)
     _notify(change)
     return change
