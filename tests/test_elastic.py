@@ -152,6 +152,13 @@ def test_grow_back_twice_in_two_rank_nodes_rank_0_lost():
           f"{kill_to_back(output, 3):.2f} s")
 
 
+def test_plain_script_with_max_np_goes_on_smaller_and_says_why():
+    """Without hvd.elastic.run there is no step boundary for a replacement to join at."""
+    proc = sgprun(4, "elastic_checks.py", "check_sync_sgp_ledger", flags=("--max-np", "4"))
+    output = expect_passed(proc, "all elastic checks passed on 3 ranks")
+    assert "HVD_SGP_MAX_NP replaces lost ranks only under hvd.elastic.run" in output
+
+
 def test_below_min_np_ends_with_a_clear_error_on_every_survivor():
     proc = grow(4, "1", "--kill", "1:3", "--kill", "2:3",
                 flags=("--min-np", "3", "--max-np", "4"))
