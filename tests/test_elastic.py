@@ -2,7 +2,8 @@
 
 Real processes killed with os._exit or SIGKILL at chosen steps, on 4 and 8 ranks, every rank
 its own node and two ranks per node: the survivors finish, nobody hangs, the job's status is 0,
-the PushSum ledger holds; elastic scripts in Horovod's idiom (torch, Keras) recover in place;
+the PushSum ledger holds; with --max-np replacements are spawned and the job finishes at
+full size; elastic scripts in Horovod's idiom (torch, Keras) recover in place;
 digits with one of 8 ranks killed reaches the uninterrupted run's accuracy. Without fault
 tolerance the same elastic script runs as a plain job. Launch-free parts (sgprun's command,
 the exit-status records) are checked without MPI.
@@ -110,6 +111,63 @@ def test_fault_tolerance_needs_ulfm_flags():
     assert "--with-ft ulfm" in refused.stderr
 
 
+# ------------------------------------------------------------------ growing back (--max-np)
+def grow(n: int, local: str, *args: str, flags: tuple = ("--max-np", "4")):
+    return sgprun(n, "elastic_grow.py", "--np", str(n), *args, flags=flags,
+                  env={"HVD_SGP_LOCAL_SIZE": local})
+
+
+def kill_to_back(output: str, victim: int) -> float:
+    """Seconds from the victim's death to the first step completed on the full world."""
+    killed = float(re.search(rf"origin {victim} dies at step \d+ at ([0-9.]+)", output).group(1))
+    back = [float(t) for t in re.findall(r"completed step \d+ on \d+ ranks at ([0-9.]+)",
+                                         output) if float(t) > killed]
+    return min(back) - killed
+
+
+def test_grow_back_replaces_a_lost_rank_and_keeps_the_mass():
+    """4 ranks, pure mixing: rank 2 dies (os._exit) at step 5; a replacement is spawned,
+    takes rank 2, gets rank 0's parameters and weight 1 at the sync; 4 ranks finish with
+    weights summing to 4 and the de-biased average of the join conserved to the end."""
+    proc = grow(4, "1", "--kill", "2:5", "--lr-zero")
+    output = expect_passed(proc, "grow checks passed on 4 ranks")
+    assert "replacement origin 4 started" in output and "joined as rank 2 of 4" in output
+    assert "origins by rank [0, 1, 4, 3]" in output and "sum of weights 4" in output
+    assert "entry at step 5 on 4 ranks: parameters spread 0.0e+00, weights sum 4" in output
+    assert "1 replacement(s) joined (rank(s) [2]): back to 4 ranks" in output
+    print(f"grow back, os._exit: kill to the first step on 4 ranks "
+          f"{kill_to_back(output, 2):.2f} s")
+
+
+def test_grow_back_twice_in_two_rank_nodes_rank_0_lost():
+    """Two nodes of two ranks, training: rank 0 dies at step 4 (the lowest survivor takes
+    rank 0, whose state the sync sends; the replacement takes its rank, on rank 0's node),
+    then rank 3 by SIGKILL at step 10; both nodes are whole again at the end."""
+    proc = grow(4, "2", "--kill", "0:4", "--kill", "3:10")
+    output = expect_passed(proc, "grow checks passed on 4 ranks")
+    assert "origins by rank [1, 4, 2, 5]" in output, output[-3000:]
+    assert "nodes [(0, 2, 0), (1, 2, 0), (0, 2, 1), (1, 2, 1)]" in output
+    assert "rank(s) [0, 3] were lost and excluded" in output
+    print(f"grow back, SIGKILL: kill to the first step on 4 ranks "
+          f"{kill_to_back(output, 3):.2f} s")
+
+
+def test_plain_script_with_max_np_goes_on_smaller_and_says_why():
+    """Without hvd.elastic.run there is no step boundary for a replacement to join at."""
+    proc = sgprun(4, "elastic_checks.py", "check_sync_sgp_ledger", flags=("--max-np", "4"))
+    output = expect_passed(proc, "all elastic checks passed on 3 ranks")
+    assert "HVD_SGP_MAX_NP replaces lost ranks only under hvd.elastic.run" in output
+
+
+def test_below_min_np_ends_with_a_clear_error_on_every_survivor():
+    proc = grow(4, "1", "--kill", "1:3", "--kill", "2:3",
+                flags=("--min-np", "3", "--max-np", "4"))
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    message = "only 2 ranks survive (lost [1, 2]), fewer than HVD_SGP_MIN_NP=3: the job ends"
+    assert output.count(message) == 2, output[-4000:]
+
+
 # ------------------------------------------------------------------ the elastic API
 def digits(n: int, *args: str, fault_tolerant: bool = True, env: dict | None = None):
     script = str(REPO / "examples" / "elastic_digits.py")
@@ -187,6 +245,23 @@ def test_sgprun_fault_tolerant_command():
     assert "--with-ft" not in command(["-np", "4", "python", "x"], OPEN_MPI_5)
 
 
+def test_sgprun_grow_back_flags():
+    """--max-np (or horovodrun's --max-num-proc) and --min-np make the run fault-tolerant,
+    as horovodrun's elastic flags make its run elastic, and reach every rank."""
+    for spelling in ("--max-np", "--max-num-proc"):
+        cmd = command(["-np", "4", spelling, "6", "--min-num-proc", "2", "python", "x"])
+        assert cmd[cmd.index("--with-ft") + 1] == "ulfm"
+        args = launch.parse_args(["-np", "4", spelling, "6", "--min-num-proc", "2", "python"])
+        env = launch.sgp_environment(args)
+        assert (env["HVD_SGP_MAX_NP"], env["HVD_SGP_MIN_NP"],
+                env["HVD_SGP_FAULT_TOLERANT"]) == ("6", "2", "1")
+    args = launch.parse_args(["-np", "4", "--max-np", "3", "python"])
+    with pytest.raises(launch.LaunchError, match="--max-np 3 is less than -np 4"):
+        launch.validate(args)
+    no = launch.parse_args(["-np", "4", "--max-np", "6", "--no-fault-tolerant", "python"])
+    assert not no.fault_tolerant
+
+
 def test_fault_records_decide_the_status(tmp_path):
     env = {fault_record.VARIABLE: str(tmp_path)}
     for rank in range(4):
@@ -201,3 +276,14 @@ def test_fault_records_decide_the_status(tmp_path):
     assert launch.fault_tolerant_status(1, str(tmp_path), 4) == 1
     assert launch.fault_tolerant_status(0, str(tmp_path), 4) == 1  # one left by SIGKILL
     assert not fault_record.verdict(str(tmp_path)).completed
+
+
+def test_fault_records_with_a_replacement(tmp_path):
+    """A replacement (launch rank 4 of a 4-rank job) records like any rank."""
+    env = {fault_record.VARIABLE: str(tmp_path)}
+    for rank in range(5):
+        fault_record.write("started", rank, env)
+    for rank in (0, 1, 3, 4):
+        fault_record.write("lost 2", rank, env)
+        fault_record.write("finished", rank, env)
+    assert launch.fault_tolerant_status(1, str(tmp_path), 4) == 0

@@ -95,17 +95,20 @@ class SgpSession:
 
     @property
     def started(self) -> bool:
-        return self._engine is not None
+        """Whether an engine runs (one retired when replacements joined does not count: the
+        next use starts its successor, alongside the replacements' first engines)."""
+        return self._engine is not None and not self._engine.retired
 
     def start(self) -> GossipEngine:
         """Create the engine if it is not running: a collective (every rank must get here at
         the same point; it compares parameters and options across ranks)."""
-        while self._engine is None:
+        while not self.started:
+            retired = self._engine
             try:
                 with recovery.translated("the start of the optimizer"):
                     engine = GossipEngine(self.buffers, self.settings.options,
                                           self.signature, self.settings.codec, self.access,
-                                          self.layout)
+                                          self.layout, succeeds=retired)
                 engine.set_epoch(self._epoch)
                 self._engine = engine
             except PeerLostError:  # a rank lost before the first step: start on the rest
@@ -113,6 +116,14 @@ class SgpSession:
                     raise
                 runtime.repair()
         return self._engine
+
+    def start_at_wrapping(self) -> None:
+        """Start when the optimizer is wrapped, so that ranks compare their models and options
+        there. Not on a replacement (runtime.replacement): the survivors it joins are past
+        that point, so its engine starts at its first use, where the survivors start their
+        engines' successors (engine.retire)."""
+        if not runtime.replacement():
+            self.start()
 
     @property
     def engine(self) -> GossipEngine:

@@ -3,8 +3,10 @@
 ``hvd.elastic.run(train)(state)`` syncs the state (rank 0's everywhere) and calls ``train``.
 When a rank is lost (fault-tolerant mode), ``train`` ends with HorovodInternalError on every
 survivor; the loop then repairs the world in place (runtime.repair: the same processes, fewer
-of them; ``hvd.size()`` and ``hvd.rank()`` report the new world), recovers the state, calls
-the reset callbacks, syncs and calls ``train`` again. HostsUpdatedInterrupt does the same
+of them, and with HVD_SGP_MAX_NP fresh ones spawned for the lost; ``hvd.size()`` and
+``hvd.rank()`` report the new world), recovers the state, calls the reset callbacks, syncs
+(a replacement, running the script from the top, joins here, at its first sync) and calls
+``train`` again. HostsUpdatedInterrupt does the same
 without a repair or a recovery. Without fault tolerance a lost rank still ends the job (its
 error is a PeerTimeoutError, not a HorovodInternalError), and the loop costs nothing.
 
@@ -49,9 +51,10 @@ class State:
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
-        """Raise HostsUpdatedInterrupt when hosts were added or removed. hvd_sgp's world only
-        shrinks, by a failure that surfaces as HorovodInternalError, so there is never an
-        update to announce here and no communication is spent on asking."""
+        """Raise HostsUpdatedInterrupt when hosts were added or removed. hvd_sgp's world
+        changes only after a failure, which surfaces as HorovodInternalError (replacements
+        join inside that repair), so there is never an update to announce here and no
+        communication is spent on asking."""
 
     def save(self) -> None:
         raise NotImplementedError
@@ -177,9 +180,12 @@ def keeps_parameters() -> bool:
 
 def reset_gossip(optimizer: Any) -> None:
     """After a sync made every rank's parameters rank 0's: an SGP optimizer's PushSum weights
-    become 1 and its messages in flight are dropped (the exact state of a consensus)."""
+    become 1 and its messages in flight are dropped (the exact state of a consensus). An
+    engine not running has nothing to reset: a new one starts with weight 1, and so does a
+    survivor's successor after replacements joined (engine.retire); it starts at the next
+    use, on every rank alike (a replacement's optimizer may not even be built yet)."""
     session = getattr(optimizer, "_sgp_session", None)
-    if session is not None:
+    if session is not None and session().started:
         session().engine.reset_weights()
 
 

@@ -85,15 +85,19 @@ class GossipEngine:
 
     def __init__(self, buffers: Sequence, options: SgpOptions, signature: Sequence[tuple],
                  codec: "str | Codec" = "none", access: BufferAccess = DirectAccess(),
-                 layout: Optional[runtime.Layout] = None):
+                 layout: Optional[runtime.Layout] = None,
+                 succeeds: Optional["GossipEngine"] = None):
+        """``succeeds``: the engine this one replaces on a survivor after replacements joined
+        (see retire); its iteration, epoch, timeline and repair records go on."""
         self.options = options
         self.buffers = list(buffers)
         self.access = access
         layout = layout or runtime.layout()  # the world's, or a process set's
         self.world, self.local, self.cross = layout.world, layout.local, layout.cross
         self.codec = make_codec(codec)
-        check_consistent(self.world, [tuple(map(str, s)) for s in signature],
-                         options.describe() + (self.codec.spec,))
+        self.steps = check_consistent(self.world, [tuple(map(str, s)) for s in signature],
+                                      options.describe() + (self.codec.spec,),
+                                      succeeds.steps if succeeds is not None else 0)
         self.stages = (schedule.parse(options.schedule) if options.schedule else
                        [schedule.Stage(0, "epoch", options.mode, options.peers, options.overlap)])
         if any(s.overlap for s in self.stages) and not runtime.mpi_threads_supported():
@@ -101,10 +105,13 @@ class GossipEngine:
                                 "grant; use an MPI built with thread support or overlap=False")
         self.transport = PeerTransport(self.cross, options.timeout)
         path = telemetry.timeline_path()
-        self.timeline = (telemetry.Timeline(path, self.world.Get_rank(), self.world.Get_size())
-                         if path else None)
-        if self.timeline is not None:
-            atexit.register(self.timeline.finish)
+        if succeeds is not None:
+            self.timeline = succeeds.timeline
+        else:
+            self.timeline = (telemetry.Timeline(path, self.world.Get_rank(),
+                                                self.world.Get_size()) if path else None)
+            if self.timeline is not None:
+                atexit.register(self.timeline.finish)
         self.transport.timeline = self.timeline
         self.metrics_log = (telemetry.MetricsLog(options.metrics, options.metrics_every,
                                                  self.world, describe_run(options, self.codec))
@@ -113,13 +120,14 @@ class GossipEngine:
         self.elastic = telemetry.ElasticConsistency()
         self.outer = OuterLoop(options.local_steps, options.slowmo, options.slowmo_lr)
         self.epoch = 0
-        self.steps = 0  # exchanges: the graph's iteration, equal on every rank
+        # self.steps, set above: exchanges, the graph's iteration, equal on every rank
         self.calls = 0  # end_step calls: the user's loop position (see _world_changed)
         self._in_call = False  # between a begin_step and its end_step
         self._skip_until = 0  # after a repair, calls before this one do not communicate,
         self._resync_at = 0  # and this one begins with an exact average
         self._planned_ranks = 1  # the ranks begin_step told the adapter to scale for
         self.repairs: list[dict] = []  # one record per repair this engine went through
+        self.retired = False  # replacements joined: the session starts a successor
         self.stage = None
         self.mixers: list[PushSumMixer] = []
         self._depth = 0  # nesting of _live: only the outermost call goes through access
@@ -133,7 +141,10 @@ class GossipEngine:
         self._server: Optional[threading.Thread] = None  # the served step in progress
         self._server_failure: Optional[BaseException] = None
         self._serve_target = 0  # the step the joined rank has begun serving
-        self._enter(schedule.current(self.stages, 0, 0))
+        if succeeds is not None:  # (SlowMo's outer state starts afresh, as a replacement's)
+            self.epoch = succeeds.epoch
+            self.elastic, self.repairs = succeeds.elastic, succeeds.repairs
+        self._enter(schedule.current(self.stages, self.epoch, self.steps))
         self._subscription = runtime.on_world_change(self._world_changed)
         atexit.register(_close_at_exit, weakref.ref(self))  # no progress thread in Finalize
         if self.cross.Get_size() == 1 and self.world.Get_size() > 1 and self.world.Get_rank() == 0:
@@ -554,6 +565,10 @@ class GossipEngine:
            exact average. (Under hvd.elastic.run the training function restarts from the
            synced state instead.)
         """
+        if change.joined:
+            self.retire(change)
+            return
+
         def repair() -> None:
             began = time.monotonic()
             if self.progress is not None:
@@ -585,6 +600,27 @@ class GossipEngine:
                                  "skipped_to": self._skip_until,
                                  "seconds": time.monotonic() - began})
         self._live(repair)
+
+    def retire(self, change: "runtime.WorldChange") -> None:
+        """Replacements joined the world (runtime._grow), right after the repair's fold made
+        every survivor's weight 1 and its parameters the survivors' exact average. A
+        replacement starts its engine at its first use of the optimizer, a collective; this
+        survivor's session starts a successor engine at that same point (``succeeds``), so
+        this one stands aside without communicating: nothing is in flight after the fold,
+        and the weight stays 1. With the replacements' weight 1 and their parameters synced
+        from rank 0 (hvd.elastic's ``state.sync()``), the world's total weight is its size
+        and the de-biased average is the survivors' fold, unchanged."""
+        if self.progress is not None:
+            self.progress.close()
+            self.progress = None
+        for mixer in self.mixers:
+            mixer.abandon()
+        self.mixers = []
+        self.transport.free()
+        runtime.forget_world_change(self._subscription)
+        self.repairs.append({"joined": list(change.joined), "size": change.world.Get_size(),
+                             "iteration": self.steps})
+        self.retired = self._closed = True  # (its timeline goes on in the successor)
 
     def _mass(self) -> list:
         """The survivors' PushSum mass, summed over ranks: [sum of w * z over every parameter,
@@ -639,16 +675,19 @@ def describe_run(options: SgpOptions, codec: Codec = Codec()) -> str:
     return label + (f" slowmo={options.slowmo:g}" if options.slowmo is not None else "")
 
 
-def check_consistent(comm: MPI.Comm, signature: list, opts: tuple) -> None:
+def check_consistent(comm: MPI.Comm, signature: list, opts: tuple, iteration: int = 0) -> int:
     """One allgather: every rank must have the same parameters (count, shapes, dtypes, order)
-    and the same SGP options; otherwise raise on every rank naming those that differ."""
-    everyone = comm.allgather((signature, opts))
+    and the same SGP options; otherwise raise on every rank naming those that differ. Returns
+    the largest ``iteration`` given: where the graph starts (a replacement joins survivors
+    that are further on)."""
+    everyone = comm.allgather((signature, opts, iteration))
     for what, index in (("parameters (names, shapes, dtypes, order)", 0), ("SGP options", 1)):
         differ = [r for r, entry in enumerate(everyone) if entry[index] != everyone[0][index]]
         if differ:
             detail = _first_difference(everyone[0][index], everyone[differ[0]][index])
             raise ConsistencyError(f"ranks {differ} have different {what} from rank 0: "
                                    f"{detail}")
+    return max(entry[2] for entry in everyone)
 
 
 def _first_difference(a, b) -> str:

@@ -41,6 +41,7 @@ class Option:
     keyword: bool = True
     agree: str = "value"  # "value" | "presence" | "none"
     metavar: Optional[str] = None
+    aliases: tuple = ()  # more sgprun spellings (horovodrun's)
 
     @property
     def env(self) -> str:
@@ -117,7 +118,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("fault_tolerant", bool, False, "survive lost ranks (ULFM): the survivors repair the "
            "world in place and go on", keyword=False),
     Option("min_np", int, 1, "fault-tolerant: end the job when fewer ranks survive",
-           minimum=1, keyword=False),
+           minimum=1, keyword=False, aliases=("--min-num-proc",)),
+    Option("max_np", int, None, "fault-tolerant: replace lost ranks with fresh processes "
+           "(MPI_Comm_spawn, under hvd.elastic.run) until the world has this many again",
+           minimum=1, keyword=False, aliases=("--max-num-proc",)),
     Option("detector_timeout", float, 8.0, "fault-tolerant: seconds of silence before ULFM "
            "declares a rank dead", minimum=0.1, keyword=False),
     Option("elastic_restore", str, "keep", "after a lost rank, hvd.elastic.run keeps the "

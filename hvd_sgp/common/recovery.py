@@ -53,6 +53,7 @@ class _Status:
         self.repairing: Optional[float] = None  # the deadline of the repair under way
         self.failure_noticed = False  # set when PeerLostError is raised, cleared by a repair
         self.repairs = 0  # completed repairs of the world
+        self.replacement = False  # this process replaced a lost rank (runtime._arrive)
         self.watchdog: Optional[threading.Thread] = None
         self.stop = threading.Event()
 
@@ -167,7 +168,13 @@ def repairing(deadline: float) -> Iterator[None]:
 def repair_deadline() -> float:
     """Seconds a repair may take: a silent rank excludes itself after HVD_SGP_TIMEOUT, then
     ULFM needs its detector timeout to report it."""
-    return 2 * _status.timeout + 4 * float(options.from_environment("detector_timeout")) + 30
+    return (2 * float(options.from_environment("timeout"))
+            + 4 * float(options.from_environment("detector_timeout")) + 30)
+
+
+def arrived() -> None:
+    """This process replaced a lost rank: at exit it finalizes as a repaired one does."""
+    _status.replacement = True
 
 
 # --- the silent rank excludes itself --------------------------------------------------------
@@ -207,7 +214,7 @@ def _finalize() -> None:
         _status.watchdog.join(timeout=5)
     if not MPI.Is_initialized() or MPI.Is_finalized():
         return
-    if _status.repairs:
+    if _status.repairs or _status.replacement:
         sys.stdout.flush()
         sys.stderr.flush()
         signal.signal(signal.SIGALRM, signal.SIG_DFL)

@@ -7,7 +7,9 @@ nodes of L ranks instead, so one machine can emulate several nodes.
 
 After a repair (``repair``) the world holds the survivors, ``rank()``/``size()`` report the new
 world, and whatever built communicators of its own from the old one rebuilds them in a
-callback registered with ``on_world_change``.
+callback registered with ``on_world_change``. With HVD_SGP_MAX_NP the repair then grows the
+world back with spawned replacements (``_grow``); a replacement's ``init()`` is its side of
+that (``_arrive``).
 """
 from __future__ import annotations
 
@@ -63,14 +65,23 @@ def detect_launcher(environ: Optional[dict] = None) -> Launcher:
 
 class _State:
     def __init__(self, world: MPI.Comm, local: MPI.Comm, cross: MPI.Comm, thread_level: int,
-                 node: Any):
+                 node: Any, origin: int, entries: list):
         self.world = world
         self.local = local
         self.cross = cross
         self.thread_level = thread_level
-        self.origin = world.Get_rank()  # the rank at init: names a rank across repairs
-        self.origins = list(range(world.Get_size()))  # every rank's origin, by current rank
+        self.origin = origin  # the rank at init (a replacement's: new): names a rank for good
         self.node = node  # what makes ranks one node: HVD_SGP_LOCAL_SIZE group or host name
+        self.replacement = False  # spawned by a repair to replace a lost rank (_arrive)
+        self.remember(entries)
+
+    def remember(self, entries: list) -> None:
+        """Every rank's (origin, node, host), by current rank: what a repair needs to know of
+        the ranks it lost (their slots, nodes and hosts) to put replacements there."""
+        self.origins = [origin for origin, _, _ in entries]
+        self.nodes = [node for _, node, _ in entries]
+        self.hosts = [host for _, _, host in entries]
+        self.next_origin = max(getattr(self, "next_origin", 0), max(self.origins) + 1)
 
 
 _state: Optional[_State] = None
@@ -101,10 +112,17 @@ def init(comm: Optional[MPI.Comm] = None) -> None:
         return
     if not MPI.Is_initialized():
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
-    world = (MPI.COMM_WORLD if comm is None else comm).Dup()
-    local, node = _local_split(world)
-    parts = _layout(world, local)
-    _state = _State(world, local, parts.cross, MPI.Query_thread(), node)
+    parent = MPI.Comm.Get_parent() if comm is None else MPI.COMM_NULL
+    if parent != MPI.COMM_NULL:  # a replacement, spawned by the survivors' repair
+        _state = _arrive(parent)
+    else:
+        world = (MPI.COMM_WORLD if comm is None else comm).Dup()
+        local, node = _local_split(world)
+        parts = _layout(world, local)
+        entries = [(r, n, h) for r, (n, h) in
+                   enumerate(world.allgather((node, MPI.Get_processor_name())))]
+        _state = _State(world, local, parts.cross, MPI.Query_thread(), node, world.Get_rank(),
+                        entries)
     recovery.configure(_world_revoked, _state.origin)
     _abort_on_uncaught_errors()
 
@@ -200,6 +218,12 @@ def size() -> int:
     return _require().world.Get_size()
 
 
+def replacement() -> bool:
+    """Whether this process was spawned to replace a lost rank (HVD_SGP_MAX_NP): it joined
+    survivors that are inside hvd.elastic.run, at their ``state.sync()``."""
+    return _require().replacement
+
+
 def local_rank() -> int:
     return _require().local.Get_rank()
 
@@ -287,6 +311,13 @@ class WorldChange:
     lost: tuple  # the ranks gone, named by their rank at init (origin_rank)
     size_before: int
     realign: bool  # repaired inside a step: optimizers realign their steps (see engine)
+    joined: tuple = ()  # replacements taken in (their origins); nothing was lost then
+
+    @property
+    def ranks(self) -> list:
+        """The replacements' ranks in the new world."""
+        origins = _require().origins
+        return [origins.index(origin) for origin in self.joined]
 
 
 _subscribers: dict = {}  # key -> weak reference to the callback, in registration order
@@ -353,49 +384,227 @@ def repair(realign: bool = True) -> WorldChange:
        survivor the same communicator); the lost ranks are the difference.
     3. Re-form the nodes and the cross-node communicators (``_regroup``).
     4. Call the ``on_world_change`` subscribers (optimizers rebuild their graph and fold their
-       PushSum state). A failure during 2-4 starts over at 1.
+       PushSum state).
+    5. With HVD_SGP_MAX_NP, outside a step (``realign`` False: hvd.elastic.run's repair, the
+       step boundary where Horovod adds hosts), spawn replacements and take them in
+       (``_grow``). A failure during 2-5 starts over at 1.
     Fewer survivors than HVD_SGP_MIN_NP end the job with an SgpError on every survivor.
     """
     state = _require()
     began = time.monotonic()
     deadline = began + recovery.repair_deadline()
-    before = list(state.origins)  # a failed attempt shrinks too: name all lost since here
+    seats = _seats(state)  # the world as it was: names the lost, places their replacements
+    known = set(state.origins)
+    attempts = 0  # spawns tried: an MPI that keeps failing them leaves the world smaller
+    grown = None
     with recovery.repairing(deadline):
         while True:
             revoke_all()
             try:
                 with recovery.translated("the repair of the world"):
-                    change = _rebuild(state, before, realign)
+                    change = _rebuild(state, known, realign)
+                    survivors = change.world.Get_size()
                     _notify(change)
+                    if not realign and attempts < 3 and _missing(state) > 0:
+                        attempts += 1
+                        grown = _grow(state, seats, known)
                 break
             except PeerLostError:
                 if time.monotonic() > deadline:
                     raise PeerTimeoutError(f"the world could not be repaired within "
                                            f"{recovery.repair_deadline():.0f} s") from None
-    fault_record.write("lost " + ",".join(map(str, change.lost)), state.origin)
-    if change.world.Get_rank() == 0:
-        print(f"hvd_sgp: lost rank(s) {list(change.lost)}; {change.world.Get_size()} of "
-              f"{change.size_before} ranks go on after a repair of "
+    lost = sorted(known - set(state.origins))
+    fault_record.write("lost " + ",".join(map(str, lost)), state.origin)
+    if state.world.Get_rank() == 0:
+        joined = (f"; {len(grown.joined)} replacement(s) joined (rank(s) "
+                  f"{sorted(grown.ranks)}): back to {state.world.Get_size()} ranks"
+                  if grown is not None else "")
+        print(f"hvd_sgp: lost rank(s) {lost}; {survivors} of "
+              f"{change.size_before} ranks go on{joined} after a repair of "
               f"{time.monotonic() - began:.2f} s", file=sys.stderr, flush=True)
-    return change
+        if realign and _missing(state) > 0 and not _said[0]:
+            _said[0] = True
+            print("hvd_sgp: HVD_SGP_MAX_NP replaces lost ranks only under hvd.elastic.run "
+                  "(a replacement joins at its state.sync()); this script repairs inside "
+                  "the optimizer's step, so it goes on with fewer ranks",
+                  file=sys.stderr, flush=True)
+    return grown or change
 
 
-def _rebuild(state: _State, before: list, realign: bool) -> WorldChange:
+_said = [False]  # the plain-script note on HVD_SGP_MAX_NP, printed once
+
+
+def _rebuild(state: _State, known: set, realign: bool) -> WorldChange:
+    size_before = state.world.Get_size()
     survivors = state.world.Shrink()  # (Ishrink fails on a revoked world in Open MPI 5.0)
-    entries = survivors.allgather((state.origin, state.node))
-    lost = tuple(sorted(set(before) - {origin for origin, _ in entries}))
+    entries = survivors.allgather((state.origin, state.node, MPI.Get_processor_name()))
+    known.update(state.origins)  # replacements taken in by an attempt that failed later
+    lost = tuple(sorted(known - {origin for origin, _, _ in entries}))
     minimum = options.from_environment("min_np")
     if survivors.Get_size() < minimum:
         raise SgpError(f"only {survivors.Get_size()} ranks survive (lost {list(lost)}), fewer "
                        f"than HVD_SGP_MIN_NP={minimum}: the job ends")
-    local, cross = _regroup(survivors, entries)
+    local, cross = _regroup(survivors, [(origin, node) for origin, node, _ in entries])
+    _install(state, survivors, local, cross, entries)
+    return WorldChange(survivors, local, cross, lost, size_before, realign)
+
+
+def _install(state: _State, world: MPI.Comm, local: MPI.Comm, cross: MPI.Comm,
+             entries: list) -> None:
     with _lock:
         old = (state.world, state.local, state.cross)
-        state.world, state.local, state.cross = survivors, local, cross
-        state.origins = [origin for origin, _ in entries]
+        state.world, state.local, state.cross = world, local, cross
+        state.remember(entries)
     for comm in old:
         _free(comm)
-    return WorldChange(survivors, local, cross, lost, len(before), realign)
+
+
+# --- growing back: replacements for the lost ranks ------------------------------------------
+def _missing(state: _State) -> int:
+    """How many ranks the world lacks to be HVD_SGP_MAX_NP again (0 without it)."""
+    target = options.from_environment("max_np")
+    return 0 if target is None else max(0, target - state.world.Get_size())
+
+
+def _seats(state: _State) -> dict:
+    """origin -> (rank, node, host) of every rank of the world as it stands."""
+    return {origin: (slot, node, host) for slot, (origin, node, host) in
+            enumerate(zip(state.origins, state.nodes, state.hosts))}
+
+
+def _plan(state: _State, seats: dict) -> dict:
+    """Where the replacements go, worked out alike on every survivor: each takes a lost
+    rank's seat (its rank, so ``hvd.rank()`` is the lost rank's again, and its node), lowest
+    first, then new seats at the end; each gets a new origin (an origin names one process).
+    Rank 0 stays a survivor's: hvd.elastic's ``state.sync()`` broadcasts rank 0's state, so
+    when rank 0 was lost the lowest survivor moves there and its replacement takes that
+    survivor's rank instead (on rank 0's node)."""
+    alive = set(state.origins)
+    slots = {origin: seats[origin][0] for origin in state.origins}
+    vacant = sorted({seat for origin, seat in seats.items()
+                     if origin not in alive and seat[0] not in slots.values()},
+                    key=lambda seat: seat[0])
+    vacant = list({seat[0]: seat for seat in vacant}.values())  # one per rank
+    if vacant and vacant[0][0] == 0:
+        first = min(slots, key=slots.get)
+        vacant[0] = (slots[first],) + vacant[0][1:]
+        slots[first] = 0
+        vacant.sort(key=lambda seat: seat[0])
+    top = max(seat[0] for seat in seats.values()) + 1
+    missing = _missing(state)
+    while len(vacant) < missing:
+        vacant.append((top, None, None))
+        top += 1
+    local_size = options.from_environment("local_size")
+    newcomers = []
+    for index, (slot, node, host) in enumerate(vacant[:missing]):
+        if local_size is None:
+            node = None  # a node is a host: the replacement's own, wherever it starts
+        elif node is None:
+            node = slot // local_size
+        newcomers.append((state.next_origin + index, slot, node, host))
+    slots.update({origin: slot for origin, slot, _, _ in newcomers})
+    return {"survivors": len(state.origins), "newcomers": newcomers, "slots": slots,
+            "next_origin": state.next_origin + len(newcomers)}
+
+
+def _spawn_info(host: Optional[str]) -> MPI.Info:
+    """Where a replacement starts: on the lost rank's host, in its place (the dead process's
+    slot is not freed by Open MPI's runtime, hence the oversubscription)."""
+    info = MPI.Info.Create()
+    info.Set("map_by", ":OVERSUBSCRIBE")
+    info.Set("wdir", os.getcwd())
+    if host is not None:
+        info.Set("host", host)
+    return info
+
+
+def _grow(state: _State, seats: dict, known: set) -> Optional[WorldChange]:
+    """Spawn replacements for the lost ranks (MPI_Comm_spawn_multiple from the survivors, the
+    same program and arguments, one process per lost rank's host) and merge them in. The
+    replacement's side is ``_arrive``: both end in ``_settle``. The subscribers are called
+    with ``joined`` set and must not communicate for it (the replacements have none yet):
+    an optimizer puts its engine aside, to start again with the replacements' own engines at
+    the same point of the training function (see engine.retire). An MPI that cannot spawn
+    (no slot, no such host) leaves the world as the shrink made it, with a warning."""
+    plan = _plan(state, seats)
+    count = len(plan["newcomers"])
+    infos = [_spawn_info(host) for _, _, _, host in plan["newcomers"]]
+    try:
+        inter = state.world.Spawn_multiple([sys.executable] * count, [sys.orig_argv[1:]] * count,
+                                           [1] * count, infos, root=0)
+    except MPI.Exception as error:
+        if recovery.is_failure(error):
+            raise
+        if state.world.Get_rank() == 0:
+            print(f"hvd_sgp: could not start replacements for the lost ranks "
+                  f"({error.Get_error_string()}); {state.world.Get_size()} ranks go on",
+                  file=sys.stderr, flush=True)
+        return None
+    finally:
+        for info in infos:
+            info.Free()
+    track(inter)
+    try:
+        merged = inter.Merge(high=False)
+    finally:
+        untrack(inter)
+        _free(inter)
+    size_before = state.world.Get_size()
+    merged.bcast(plan, root=0)
+    world, local, cross, entries = _settle(merged, plan, state.origin, state.node,
+                                           MPI.Get_processor_name())
+    _install(state, world, local, cross, entries)
+    joined = tuple(origin for origin, _, _, _ in plan["newcomers"])
+    known.update(joined)
+    seats.update({origin: (plan["slots"][origin], node, host)  # (a later attempt's plan)
+                  for origin, node, host in entries})
+    change = WorldChange(world, local, cross, (), size_before, False, joined)
+    _notify(change)
+    return change
+
+
+def _settle(merged: MPI.Comm, plan: dict, origin: int, node: Any,
+            host: str) -> tuple[MPI.Comm, MPI.Comm, MPI.Comm, list]:
+    """Survivors and replacements alike: order the merged world by seat, and form its nodes."""
+    track(merged)
+    try:
+        world = merged.Split(0, key=plan["slots"][origin])
+    finally:
+        untrack(merged)
+        _free(merged)
+    entries = world.allgather((origin, node, host))
+    local, cross = _regroup(world, [(o, n) for o, n, _ in entries])
+    return world, local, cross, entries
+
+
+def _arrive(parent: MPI.Comm) -> _State:
+    """A replacement's init(): merge with the survivors that spawned it, take the seat their
+    plan gives (``_grow``), and form the nodes with them. A failure on the way (a survivor
+    lost meanwhile) ends this process, and the survivors repair without it; so does a join
+    that has not completed within the repair's deadline."""
+    guard = threading.Timer(recovery.repair_deadline(), recovery.exclude_self,
+                            ("this replacement could not join the job in time",))
+    guard.daemon = True
+    guard.start()
+    try:
+        parent.Set_errhandler(MPI.ERRORS_RETURN)
+        merged = parent.Merge(high=True)
+        plan = merged.bcast(None, root=0)
+        origin, _, node, _ = plan["newcomers"][merged.Get_rank() - plan["survivors"]]
+        node = MPI.Get_processor_name() if node is None else node
+        world, local, cross, entries = _settle(merged, plan, origin, node,
+                                               MPI.Get_processor_name())
+    except MPI.Exception as error:
+        recovery.exclude_self(f"this replacement could not join the job "
+                              f"({error.Get_error_string()})")
+    finally:
+        guard.cancel()
+    state = _State(world, local, cross, MPI.Query_thread(), node, origin, entries)
+    state.next_origin = plan["next_origin"]
+    state.replacement = True
+    recovery.arrived()
+    return state
 
 
 def _regroup(world: MPI.Comm, entries: list) -> tuple[MPI.Comm, MPI.Comm]:
@@ -423,10 +632,26 @@ def _notify(change: WorldChange) -> None:
             _subscribers.pop(key)
         else:
             alive.append((key, callback))
-    everywhere = set.intersection(*(set(keys) for keys in
-                                    change.world.allgather([key for key, _ in alive])))
+    if change.joined:  # the replacements have no subscribers; the survivors agreed just now
+        everywhere = {key for key, _ in alive}
+    else:
+        everywhere = set.intersection(*(set(keys) for keys in
+                                        change.world.allgather([key for key, _ in alive])))
     for key, callback in alive:
         if key in everywhere:
             callback(change)
         else:  # collected on some rank: gone for good
             _subscribers.pop(key, None)
+    if change.joined:
+        _renumber()
+
+
+def _renumber() -> None:
+    """After replacements joined: the keys that remain (the optimizers' engines retired) are
+    numbered from 0, as a replacement numbers its own from init(), so that the subscribers
+    registered from here on, in the same order everywhere, get the same keys everywhere
+    (``_notify`` agrees on the keys)."""
+    remaining = list(_subscribers.values())
+    _subscribers.clear()
+    _subscribers.update(enumerate(remaining))
+    _next_key[0] = len(remaining)

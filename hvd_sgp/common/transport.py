@@ -135,8 +135,10 @@ class PeerTransport:
         self.size = self.comm.Get_size()
         self.timeout = DEFAULT_TIMEOUT if timeout is None else timeout
         self.stats = TransportStats()
-        # errors name peers by world rank, whatever communicator (cross-node) carries them
-        self.world_ranks = self.comm.allgather(MPI.COMM_WORLD.Get_rank())
+        # errors name peers by launch rank (a replacement's: its own, runtime.origin_rank),
+        # whatever communicator (cross-node) carries them
+        self.world_ranks = self.comm.allgather(runtime.origin_rank() if runtime.is_initialized()
+                                               else MPI.COMM_WORLD.Get_rank())
         self.timeline = None  # a telemetry.Timeline records the waits when set
 
     def start(self, iteration: int, sends: Sequence[tuple[int, Any]],

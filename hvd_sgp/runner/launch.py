@@ -107,6 +107,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             args.config_unknown = horovod_flags.apply_config(args, config, args.config_file)
         except ValueError as exc:
             parser.error(str(exc))
+    if args.fault_tolerant is None and (args.min_np is not None or args.max_np is not None):
+        args.fault_tolerant = True  # as horovodrun's elastic flags make its run elastic
     return args
 
 
@@ -136,6 +138,8 @@ def validate(args: argparse.Namespace,
         raise LaunchError("-np is required")
     if args.fault_tolerant and args.min_np is not None and args.min_np > args.np:
         raise LaunchError(f"--min-np {args.min_np} is more than -np {args.np}")
+    if args.fault_tolerant and args.max_np is not None and args.max_np < args.np:
+        raise LaunchError(f"--max-np {args.max_np} is less than -np {args.np}")
     hosts = requested_hosts(args)
     if hosts is None:
         return
@@ -228,12 +232,13 @@ def add_sgp_arguments(group) -> None:
     for option in OPTIONS:
         help_text = f"{option.help} ({option.env})"
         if option.kind is bool:
-            group.add_argument(option.flag, dest=option.name, default=None, help=help_text,
-                               action=argparse.BooleanOptionalAction)
+            group.add_argument(option.flag, *option.aliases, dest=option.name, default=None,
+                               help=help_text, action=argparse.BooleanOptionalAction)
             continue
         parse = (str.lower if option.choices else
                  _checked(lambda text, o=option: _parsed(o, text)))
-        group.add_argument(option.flag, dest=option.name, type=parse, help=help_text,
+        group.add_argument(option.flag, *option.aliases, dest=option.name, type=parse,
+                           help=help_text,
                            choices=option.choices or None, metavar=option.metavar)
 
 
@@ -394,8 +399,8 @@ def fault_tolerant_status(status: int, records: str, ranks: int) -> int:
     when it exited non-zero, and not a rank that was killed or that left by SIGKILL after an
     error, so the ranks' own records decide (fault_record.py)."""
     verdict = fault_record.verdict(records)
-    if len(verdict.started) != ranks:  # records of other hosts missing (no shared /tmp)
-        return status
+    if not set(range(ranks)) <= verdict.started:  # records of other hosts missing (no shared
+        return status  # /tmp); replacements (--max-np) add records of their own
     if not verdict.completed:
         return status or 1
     if status == 0:

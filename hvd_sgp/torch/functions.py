@@ -61,11 +61,13 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
 def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
     """A new optimizer has no state yet: take one local step on zero gradients, as Horovod
     does, so every rank holds state of root's structure to receive (the zero gradients stay,
-    as in Horovod). An SGP DistributedOptimizer takes its wrapped class's plain step: no
-    gossip, which would need every rank at once."""
+    as in Horovod). Zero, also where a gradient is left: after a lost rank, hvd.elastic's
+    sync comes here with each survivor's gradients of the step that failed, which would
+    move the ranks apart again. An SGP DistributedOptimizer takes its wrapped class's plain
+    step: no gossip, which would need every rank at once."""
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if p.requires_grad and p.grad is None:
+            if p.requires_grad:
                 p.grad = torch.zeros_like(p)
     if type(optimizer).__module__ == sgp_optimizer.__name__:
         super(type(optimizer), optimizer).step()

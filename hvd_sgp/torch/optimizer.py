@@ -51,7 +51,7 @@ class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
                      for i, p in enumerate(all_params)]
         self._session = adapter.SgpSession(config, StagedAccess(self._groups),
                                            [g.buffer for g in self._groups], signature)
-        self._session.start()  # now: ranks compare their models and options at wrapping
+        self._session.start_at_wrapping()  # ranks compare their models and options now
         self._session.own(self)
         self._passes = {}
         count = weakref.WeakMethod(self._count_pass)  # the model may outlive the optimizer
@@ -77,26 +77,30 @@ class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
         self.backward_passes_per_step = passes
 
     def synchronize(self) -> None:
-        """Average gradients exactly within the node (across the world in mode='allreduce')."""
-        for group in self._groups:
-            group.check_views()
-        plan = self._session.begin_step(self._floating_state)
-        scale = self._session.gradient_scale(plan)  # rides in the copy into the flat buffer
-        if plan.reduce:
+        """Average gradients exactly within the node (across the world in mode='allreduce').
+        The backward passes are counted afresh after it, also when it fails: a lost peer
+        (under hvd.elastic.run) abandons the step, and the next one starts from its own."""
+        try:
             for group in self._groups:
-                if group.device.type == "cuda" and plan.mode != "allreduce" \
-                        and self._session.settings.layout is None and node_nccl.usable():
-                    self._session.reduce_gradients(group.gather_grads(scale),
-                                                   node_nccl.allreduce_sum)
-                    group.scatter_grads()
-                else:
-                    self._session.reduce_gradients(group.grads_for_mpi(scale))
-                    group.grads_from_mpi()
-        elif scale != 1.0:
-            for p in self._all_params():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        self._passes.clear()
+                group.check_views()
+            plan = self._session.begin_step(self._floating_state)
+            scale = self._session.gradient_scale(plan)  # rides in the copy into the buffer
+            if plan.reduce:
+                for group in self._groups:
+                    if group.device.type == "cuda" and plan.mode != "allreduce" \
+                            and self._session.settings.layout is None and node_nccl.usable():
+                        self._session.reduce_gradients(group.gather_grads(scale),
+                                                       node_nccl.allreduce_sum)
+                        group.scatter_grads()
+                    else:
+                        self._session.reduce_gradients(group.grads_for_mpi(scale))
+                        group.grads_from_mpi()
+            elif scale != 1.0:
+                for p in self._all_params():
+                    if p.grad is not None:
+                        p.grad.mul_(scale)
+        finally:
+            self._passes.clear()
         self._synchronized = True
 
     def _floating_state(self) -> list:
