@@ -7,9 +7,11 @@ variant trains a small CNN on scikit-learn's digits on n ranks (each its own SGP
 same seed; the training code is an unmodified Horovod script (``Compression.none``), switched
 only by ``HVD_SGP_*`` variables, as a user would from ``sgprun``. To pay the 8 ranks' start-up
 once, one ``mpirun`` runs the variants one after the other, setting the variables before each
-builds its optimizer (``--separate`` launches one per variant). Reported per
-variant: final test accuracy (mean and worst rank), time and steps until the ranks' mean
-accuracy first reaches the target, bytes each rank sent per step (the transport's count,
+builds its optimizer (``--separate`` launches one per variant). Every variant runs once per
+seed (``--seeds``, default 0 1 2: model initialisation and data order), since one run of a
+variant that mixes slowly differs from the next by a point or more. Reported per variant: final
+test accuracy (mean over ranks, then over seeds, with the seeds' range and the worst rank),
+time and steps until the ranks' mean accuracy first reaches the target, bytes each rank sent per step (the transport's count,
 first exact messages included), seconds per step spent encoding/decoding, and the
 elastic-consistency constant (largest ||z_i - mean|| / lr over the run, from HVD_SGP_METRICS).
 
@@ -48,7 +50,9 @@ VARIANTS = {
     "randomk10-noef": ("random-k 10%, no EF", {"COMPRESSION": "randomk:0.1",
                                                 "ERROR_FEEDBACK": "0"}),
     "local4": ("Local SGD H=4", {"MODE": "allreduce", "LOCAL_STEPS": "4"}),
-    "slowmo": ("SlowMo on SGP, H=4", {"SLOWMO": "0.5", "LOCAL_STEPS": "4"}),
+    "slowmo": ("SlowMo on SGP, H=4, beta 0.5, alpha 1", {"SLOWMO": "0.5", "LOCAL_STEPS": "4"}),
+    "slowmo-a05": ("SlowMo on SGP, H=4, beta 0.5, alpha 0.5",
+                   {"SLOWMO": "0.5", "SLOWMO_LR": "0.5", "LOCAL_STEPS": "4"}),
 }
 OVERLAP = {"OVERLAP": "1", "MAX_DELAY": "2"}
 
@@ -133,9 +137,9 @@ def variables(key: str, out: Path) -> dict[str, str]:
             "HVD_SGP_METRICS": str(out / f"{name}{'-' + overlap if overlap else ''}.jsonl")}
 
 
-def launch(keys: list[str], args) -> list[dict]:
-    """One mpirun running the variants ``keys`` in turn; per variant every rank's result and
-    the metrics log's records."""
+def launch(keys: list[str], args, seed: int) -> list[dict]:
+    """One mpirun running the variants ``keys`` in turn from ``seed``; per variant every
+    rank's result and the metrics log's records."""
     env = dict(os.environ)
     env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
                 "OMPI_MCA_mpi_yield_when_idle": "1", "OMP_NUM_THREADS": "1",
@@ -145,7 +149,7 @@ def launch(keys: list[str], args) -> list[dict]:
         cmd = [str(Path(sys.executable).parent / "mpirun"), "-np", str(args.n),
                "--oversubscribe", "--bind-to", "none", sys.executable, str(Path(__file__)),
                "--worker", "--out", out, "--epochs", str(args.epochs), "--batch",
-               str(args.batch), "--lr", str(args.lr), "--seed", str(args.seed),
+               str(args.batch), "--lr", str(args.lr), "--seed", str(seed),
                "--eval-every", str(args.eval_every), "--runs", *keys]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
                               timeout=args.launch_timeout * len(keys), check=False)
@@ -160,7 +164,8 @@ def launch(keys: list[str], args) -> list[dict]:
             log = Path(variables(key, Path(out))["HVD_SGP_METRICS"])
             records = [json.loads(line) for line in log.read_text().splitlines()
                        if line.strip()]
-            runs.append({"name": name, "overlap": bool(overlap), "ranks": [r[k] for r in per_rank],
+            runs.append({"name": name, "overlap": bool(overlap), "seed": seed,
+                         "ranks": [r[k] for r in per_rank],
                          "label": VARIANTS[name][0] + (" (OSGP tau=2)" if overlap else ""),
                          "metrics": records})
         return runs
@@ -196,7 +201,43 @@ def summarize(run: dict, target: float, reference_bytes: float | None) -> dict:
             "bytes_vs_fp32": reference_bytes / (sent + ring) if reference_bytes else None,
             "codec_ms_per_step": 1e3 * max(r["codec_seconds"] for r in ranks) / steps,
             "elastic": elastic, "model_bytes": ranks[0]["model_bytes"], "curve": points,
-            "metrics_label": run["metrics"][0]["label"] if run["metrics"] else ""}
+            "metrics_label": run["metrics"][0]["label"] if run["metrics"] else "",
+            "seed": run["seed"]}
+
+
+def aggregate(runs: list[dict]) -> dict:
+    """One row from a variant's runs over seeds: accuracy as the mean over seeds (with the
+    seeds' range and the worst rank of any seed), steps and seconds to the target as medians
+    over the seeds that reached it, the rest as means; the curve averaged point by point."""
+    first = runs[0]
+    reached = [r for r in runs if r["steps_to_target"] is not None]
+    points = min(len(r["curve"]) for r in runs)
+    curve = [(statistics.mean(r["curve"][k][0] for r in runs), first["curve"][k][1],
+              statistics.mean(r["curve"][k][2] for r in runs),
+              min(r["curve"][k][3] for r in runs)) for k in range(points)]
+    return {**{key: first[key] for key in ("name", "label", "overlap", "steps",
+                                           "allreduce_estimate", "model_bytes",
+                                           "metrics_label")},
+            "seeds": [r["seed"] for r in runs],
+            "accuracy": statistics.mean(r["accuracy"] for r in runs),
+            "accuracy_range": (min(r["accuracy"] for r in runs),
+                               max(r["accuracy"] for r in runs)),
+            "worst_accuracy": min(r["worst_accuracy"] for r in runs),
+            "reached": len(reached),
+            "steps_to_target": (statistics.median(r["steps_to_target"] for r in reached)
+                                if reached else None),
+            "seconds_to_target": (statistics.median(r["seconds_to_target"] for r in reached)
+                                  if reached else None),
+            "seconds": statistics.mean(r["seconds"] for r in runs),
+            **{key: statistics.mean(r[key] for r in runs)
+               for key in ("bytes_per_step", "codec_ms_per_step", "elastic")},
+            "bytes_vs_fp32": (statistics.mean(r["bytes_vs_fp32"] for r in runs)
+                              if all(r["bytes_vs_fp32"] for r in runs) else None),
+            "curve": curve, "per_seed": [{key: r[key] for key in (
+                "seed", "accuracy", "worst_accuracy", "steps_to_target", "elastic")}
+                for r in runs]}
+
+
 
 
 def codec_cost(parameters: int, repeat: int = 3) -> list[dict]:
@@ -236,13 +277,16 @@ def markdown(report: dict) -> str:
         if not rows:
             continue
         lines += [f"**{'Overlap SGP tau = 2' if overlap else 'Synchronous SGP'}**", "",
-                  f"| variant | accuracy (mean / worst rank) | s to {report['target']:.0%} "
-                  "| steps to it | bytes/rank/step | less than fp32 | codec ms/step "
-                  "| elastic constant |", "|---|---|---|---|---|---|---|---|"]
+                  "| variant | accuracy: mean over seeds (range) | worst rank | "
+                  f"steps to {report['target']:.0%} (seeds reaching it) | s to it "
+                  "| bytes/rank/step | less than fp32 | codec ms/step | elastic constant |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
+            low, high = r["accuracy_range"]
             lines.append(
-                f"| {r['label']} | {r['accuracy']:.4f} / {r['worst_accuracy']:.4f} | "
-                f"{_fmt(r['seconds_to_target'], '.1f')} | {_fmt(r['steps_to_target'], 'd')} | "
+                f"| {r['label']} | {r['accuracy']:.4f} ({low:.4f}-{high:.4f}) | "
+                f"{r['worst_accuracy']:.4f} | {_fmt(r['steps_to_target'], '.0f')} "
+                f"({r['reached']}/{len(r['seeds'])}) | {_fmt(r['seconds_to_target'], '.1f')} | "
                 f"{r['bytes_per_step']:,.0f}{'*' if r['allreduce_estimate'] else ''} | "
                 f"{_fmt(r['bytes_vs_fp32'], '.1f')}x | "
                 f"{r['codec_ms_per_step']:.2f} | {r['elastic']:.2f} |")
@@ -303,21 +347,25 @@ def drive(args) -> dict:
                                                 for name in args.overlap_variants])
     folder = Path(args.logs)
     folder.mkdir(parents=True, exist_ok=True)
-    for group in ([[k] for k in keys] if args.separate else [keys]):
+    groups = [(seed, group) for seed in args.seeds
+              for group in ([[k] for k in keys] if args.separate else [keys])]
+    for seed, group in groups:
         began = time.perf_counter()
         try:
-            done = launch(group, args)
+            done = launch(group, args, seed)
         except (RuntimeError, subprocess.TimeoutExpired) as error:
-            failures.extend(group)
-            print(f"FAILED {group}: {error}", file=sys.stderr, flush=True)
+            failures.extend(f"{key} (seed {seed})" for key in group)
+            print(f"FAILED {group} seed {seed}: {error}", file=sys.stderr, flush=True)
             continue
         for run in done:
-            log = folder / f"{run['name']}{'-osgp2' if run['overlap'] else ''}.jsonl"
+            log = folder / f"{run['name']}{'-osgp2' if run['overlap'] else ''}-s{seed}.jsonl"
             log.write_text("".join(json.dumps({**r, "label": run["label"]}) + "\n"
                                    for r in run["metrics"]))
-            logs.append(log)
+            if seed == args.seeds[0]:
+                logs.append(log)
         runs.extend(done)
-        print(f"{', '.join(group)}: {time.perf_counter() - began:.0f} s", flush=True)
+        print(f"seed {seed}: {', '.join(group)}: {time.perf_counter() - began:.0f} s",
+              flush=True)
         if args.separate:
             write_report(report_of(args, runs, failures, logs), args, plots=False)
     return report_of(args, runs, failures, logs)
@@ -326,17 +374,23 @@ def drive(args) -> dict:
 def report_of(args, runs: list[dict], failures: list[str], logs: list[Path]) -> dict:
     rows = []
     for overlap in (False, True):
-        chosen = [r for r in runs if r["overlap"] == overlap]
-        fp32 = next((r for r in chosen if r["name"] == "fp32"), None)
-        reference = (statistics.mean(x["bytes_sent"] for x in fp32["ranks"]) / fp32["ranks"][0]
-                     ["steps"]) if fp32 else None
-        rows += [summarize(r, args.target, reference) for r in chosen]
+        per_run = []
+        for seed in args.seeds:
+            chosen = [r for r in runs if r["overlap"] == overlap and r["seed"] == seed]
+            fp32 = next((r for r in chosen if r["name"] == "fp32"), None)
+            reference = (statistics.mean(x["bytes_sent"] for x in fp32["ranks"])
+                         / fp32["ranks"][0]["steps"]) if fp32 else None
+            per_run += [summarize(r, args.target, reference) for r in chosen]
+        names = list(dict.fromkeys(r["name"] for r in per_run))
+        rows += [aggregate([r for r in per_run if r["name"] == name]) for name in names]
+    seeds = ", ".join(map(str, args.seeds))
     return {"command": " ".join(["python"] + sys.argv), "n": args.n, "target": args.target,
+            "seeds": args.seeds,
             "setting": (f"digits CNN ({rows[0]['model_bytes'] / 4 / 1e3:.1f}k parameters) on "
                         f"n = {args.n} ranks, each its own SGP node (one-peer exponential graph)"
                         f", SGD lr {args.lr} momentum 0.9, batch {args.batch} per rank, "
-                        f"{args.epochs} epochs, seed {args.seed}, localhost (shared memory, "
-                        "2 cores shared with other jobs: wall times are noisy)"
+                        f"{args.epochs} epochs, seeds {seeds} (model initialisation and data "
+                        "order), localhost (shared memory, 2 cores: wall times are noisy)"
                         if rows else "no run succeeded"),
             "rows": rows, "failures": failures, "logs": [str(p) for p in logs]}
 
@@ -353,7 +407,9 @@ def parse(argv=None):
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                   help="every variant runs once per seed; the tables give means and ranges")
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)  # a worker's
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--metrics-every", type=int, default=5)
     p.add_argument("--target", type=float, default=0.95)
@@ -370,7 +426,7 @@ def parse(argv=None):
     p.add_argument("--runs", nargs="*", default=[], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
-        args.n, args.epochs, args.eval_every = 2, 2, 5
+        args.n, args.epochs, args.eval_every, args.seeds = 2, 2, 5, [0]
         args.variants, args.overlap_variants = ["fp32", "topk1", "local4"], ["topk1"]
     return args
 

@@ -1,6 +1,7 @@
-"""Properties of compressed PushSum (hvd_sgp/common/choco.py), pinned with hypothesis over
-random directed time-varying graphs, delays, codecs and consensus steps, in one process
-through the simulator (which drives the core's own mixers):
+"""Properties of compressed PushSum (hvd_sgp/common/choco.py) and random-k gossip
+(sparse.py), pinned with hypothesis over random directed time-varying graphs, delays, codecs
+and consensus steps, in one process through the simulator (which drives the core's own
+mixers):
 
 - with an exact codec and gamma = 1 the compressed path computes what today's PushSum does;
 - with any codec, with or without error feedback, the network's numerators and weights (plus
@@ -159,3 +160,83 @@ def test_simulate_trains_with_codecs_and_local_steps(name):
             assert last["loss"] < exact["loss"] * 1.05, (spec, local_steps, last, exact)
             assert last["bytes"] < exact["bytes"] / (local_steps if spec == "int8" else 1)
     assert codec("topk:0.25").differential and not codec("fp16").differential
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 3000), fraction=st.sampled_from([0.001, 0.01, 0.1, 0.5, 1.0]),
+       levels=st.integers(1, 50), seed=st.integers(0, 2**16))
+def test_topk_selects_the_largest_differences_ties_by_position(n, fraction, levels, seed):
+    """Few distinct magnitudes make ties at the k-th value common (the sample's threshold
+    then takes its fallbacks): the selection must still be the k largest |values -
+    reference|, ties broken by position, in increasing index order."""
+    rng = np.random.default_rng(seed)
+    reference = rng.integers(-3, 3, n).astype(np.float32)
+    values = reference + rng.integers(-levels, levels + 1, n).astype(np.float32)
+    c = codec(f"topk:{fraction}")
+    index, kept = c.select(values, reference)
+    k = c.count(n)
+    expected = np.sort(np.argsort(-np.abs(values - reference), kind="stable")[:k])
+    assert np.array_equal(index, expected)
+    assert np.array_equal(kept, (values - reference)[expected])
+
+
+@pytest.mark.parametrize("spec", ["int8", "int8:stochastic", "topk:0.01", "randomk:0.05"])
+def test_encoding_a_difference_equals_encoding_it_formed(spec):
+    """encode_delta works block by block without forming values - reference; its bytes are
+    those of encoding the difference, and the copy it moves gets what a receiver decodes."""
+    n = 200_003  # several blocks and a partial last one
+    rng = np.random.default_rng(3)
+    values, reference = rng.normal(size=n).astype(np.float32), rng.normal(size=n).astype(
+        np.float32)
+    fused, formed = codec(spec), codec(spec)  # stochastic rounding: same generator state
+    wire, expected = (np.zeros(fused.nbytes(n), np.uint8) for _ in range(2))
+    copy = reference.copy()
+    fused.encode_delta(values, reference, wire, copy=copy, seed=9)
+    formed.encode_delta(values - reference, None, expected, seed=9)
+    assert np.array_equal(wire, expected)
+    received = reference.copy()
+    formed.add_to(expected, n, received)
+    assert np.array_equal(copy, received)
+
+
+def doubly_stochastic(n: int) -> list:
+    return [t for t in topologies(n) if t.doubly_stochastic]
+
+
+@pytest.mark.parametrize("n", [2, 5, 8])
+def test_random_k_mixes_shared_entries_exactly(n):
+    """Random-k on a synchronous doubly stochastic graph: at each step every node changes
+    only the entries drawn for that step, exactly as today's PushSum would change them from
+    the same state; the others keep their values; the sum over nodes never moves (float64:
+    to rounding); no public copies, and bytes are the drawn values plus seed and weight."""
+    dim = 5000
+    for topology in doubly_stochastic(n):
+        net = SimNetwork(topology, dim, codec="randomk:0.1")
+        assert type(net.mixers[0]).__name__ == "SparseMixer"
+        spread_out(net, n)
+        total = net.params.sum(axis=0)
+        for k in range(2 * topology.period + 3):
+            exact = SimNetwork(topology, dim)
+            exact.params[...] = net.params
+            for mixer in exact.mixers:
+                mixer.iteration = k
+            before = net.params.copy()
+            exact.step()
+            net.step()
+            drawn = codec("randomk:0.1").draw(k, dim).gather(np.arange(dim))
+            others = np.setdiff1d(np.arange(dim), drawn)
+            assert np.array_equal(net.params[:, drawn], exact.params[:, drawn])
+            assert np.array_equal(net.params[:, others], before[:, others])
+            assert np.abs(net.params.sum(axis=0) - total).max() <= 1e-12 * np.abs(total).max()
+        pushes = sum(len(topology.phase(k).out_peers[0]) for k in range(2 * topology.period + 3))
+        count = codec("randomk:0.1").count(dim)
+        assert net.mixers[0].transport.stats.bytes_sent == pushes * (8 + 8 * count + 8)
+
+
+def test_random_k_gossips_compressed_where_weights_move():
+    """Overlap SGP and irregular graphs move the weights, which shared entries cannot carry:
+    random-k takes compressed PushSum there, and its default step."""
+    assert type(SimNetwork("exponential", 8, n=4, codec="randomk:0.1", delay=2)
+                .mixers[0]).__name__ == "ChocoOverlapMixer"
+    net = SimNetwork("random", 8, n=6, codec="randomk:0.1")
+    assert type(net.mixers[0]).__name__ == "ChocoMixer" and net.mixers[0].step == 0.05

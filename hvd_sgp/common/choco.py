@@ -40,11 +40,11 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
-from hvd_sgp.common.codecs import Codec, codec as make_codec
+from hvd_sgp.common.codecs import BLOCK, Codec, blocks, codec as make_codec
 from hvd_sgp.common.errors import SgpError, SgpValueError
 from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.overlap import OverlapMixer
@@ -74,6 +74,11 @@ class ChocoMixer(PushSumMixer):
     ``step`` is gamma (the codec's ``consensus_step`` when None); ``error_feedback`` chooses
     whether each push encodes the distance to the public copy (what was not sent yet is sent
     later) or only the change since the last push (the codec's error is dropped).
+
+    The shard changes by a linear combination of copies, z' = (w z + sum_t a_t c_t) / w',
+    whose terms (-s_ji, c_ij) and (s_ij, c_ji) are collected while the iteration's messages
+    are encoded and decoded, and applied in one fused pass when it settles (before a copy in
+    a pending term changes again), instead of one pass per term plus re-bias and de-bias.
     """
 
     def __init__(self, buffer, topology: Topology, transport: Transport,
@@ -94,10 +99,10 @@ class ChocoMixer(PushSumMixer):
         self.references: dict[int, np.ndarray] = {}  # r_ij without error feedback
         self._opened_out: set[int] = set()  # edges whose first (exact) message was posted
         self._opened_in: set[int] = set()
-        self._scratch = np.empty(self.width, self.buffer.dtype)
         self.codec_seconds = 0.0  # encoding, decoding and copy updates (no communication)
         self.ledger: Optional[np.ndarray] = None  # per entry: mass sent - received (tests)
-        self._numerators = False  # the shard holds x = w z (from begin or drain to settle)
+        self._terms: list[tuple[float, np.ndarray]] = []  # (a_t, c_t) not yet applied
+        self._base = 1.0  # the weight w that the pending terms start from
 
     @property
     def shard(self) -> np.ndarray:
@@ -117,7 +122,6 @@ class ChocoMixer(PushSumMixer):
         phase = self.topology.phase(self.iteration)
         out_peers, in_peers = phase.out_peers[self.node], phase.in_peers(self.node)
         shares = phase.out_weights[self.node]
-        x = self.shard  # z_i until re-biased below
         weight = self.weight
         sends = []
         began = time.perf_counter()
@@ -125,19 +129,12 @@ class ChocoMixer(PushSumMixer):
             raw = self.codec.exact or peer not in self._opened_out
             message = slot.send(t, HEADER + self._payload(raw), True)
             self._encode(peer, raw, message)
-            message[:HEADER].view(np.float64)[:] = (self.step * share,
-                                                    self.step * share * weight, float(raw))
+            mass = self.step * share * weight
+            message[:HEADER].view(np.float64)[:] = (self.step * share, mass, float(raw))
             sends.append((peer, message))
             self._opened_out.add(peer)
+            self._term(-mass, self.sent[peer])
         self.codec_seconds += time.perf_counter() - began
-        if self.track_weight:
-            x *= weight  # the numerator
-            self._numerators = True
-        for peer, share in zip(out_peers, shares):  # every difference is taken from one z
-            mass = self.step * share * weight
-            np.multiply(self.sent[peer], mass, out=self._scratch)
-            x -= self._scratch
-            self._record(1.0, mass, self.sent[peer])
         if self.track_weight:
             self.buffer[self.n] = weight * (1 - self.step * sum(shares))
         sizes = [HEADER + self._payload(self.codec.exact or peer not in self._opened_in)
@@ -151,33 +148,33 @@ class ChocoMixer(PushSumMixer):
 
     def _encode(self, peer: int, raw: bool, message: np.ndarray) -> None:
         """Write the push to ``peer`` into ``message`` and update its public copy."""
-        x, payload = self.shard, message[HEADER:]
+        z, payload = self.shard, message[HEADER:]
         if raw:
-            payload[:self.width * x.itemsize].view(x.dtype)[...] = x
-            _store(self.sent, peer, x)
+            payload[:self.width * z.itemsize].view(z.dtype)[...] = z
+            self._set_copy(self.sent, peer, z)
             if not self.error_feedback:
-                _store(self.references, peer, x)
+                _store(self.references, peer, z)
             return
-        reference = self.sent[peer] if self.error_feedback else self.references[peer]
-        np.subtract(x, reference, out=self._scratch)
         data = payload[:self.codec.nbytes(self.width)]
-        self.codec.encode(self._scratch, data)
-        self.codec.add_to(data, self.width, self.sent[peer])
-        if not self.error_feedback:
-            reference[...] = x
+        self._settle_terms(self.sent[peer])
+        if self.error_feedback:
+            self.codec.encode_delta(z, self.sent[peer], data, copy=self.sent[peer],
+                                    seed=self.iteration)
+        else:
+            self.codec.encode_delta(z, self.references[peer], data, copy=self.sent[peer],
+                                    seed=self.iteration)
+            self.references[peer][...] = z
 
     # --- receiving ------------------------------------------------------------------------
     def add(self, received, sources: list[int]) -> None:
         """Apply received differences to the copies of their senders, in the order given, and
         add each sender's share of its copy to the numerator; the weight shares to the weight."""
-        x = self.shard
-        weights = []
         for row, source in zip(received, sources):
             _, weight, raw = (float(v) for v in row[:HEADER].view(np.float64))
             began = time.perf_counter()
             payload = row[HEADER:]
             if raw:
-                values = payload[:self.width * x.itemsize].view(x.dtype)
+                values = payload[:self.width * self.buffer.itemsize].view(self.buffer.dtype)
                 finite = bool(np.isfinite(values).all())
             else:
                 data = payload[:self.codec.nbytes(self.width)]
@@ -186,49 +183,63 @@ class ChocoMixer(PushSumMixer):
                 raise SgpError(f"received NaN or infinite parameters from "
                                f"{self.transport.peer_name(source)} at iteration "
                                f"{self.iteration}: that rank diverged")
+            if self.track_weight:
+                self._check_weight(weight, float(self.buffer[self.n]), source)
             if raw:
-                _store(self.received, source, values)
+                self._set_copy(self.received, source, values)
             else:
+                self._settle_terms(self.received[source])
                 self.codec.add_to(data, self.width, self.received[source])
             self.codec_seconds += time.perf_counter() - began
-            copy = self.received[source]
-            np.multiply(copy, weight, out=self._scratch)
-            x += self._scratch
-            weights.append(weight)
-            self._record(-1.0, weight, copy)
-        if self.track_weight:
-            for share, source in zip(weights, sources):
-                self._check_weight(share, float(self.buffer[self.n]), source)
-            self.buffer[self.n] += sum(weights)
+            self._term(weight, self.received[source])
+            if self.track_weight:
+                self.buffer[self.n] += weight
+
+    def _term(self, coefficient: float, copy: np.ndarray) -> None:
+        if not self._terms:
+            self._base = self.weight
+        self._terms.append((coefficient, copy))
+        self._record(coefficient, copy)
+
+    def _set_copy(self, copies: dict, peer: int, values: np.ndarray) -> None:
+        """Set a public copy (allocated at an edge's first message, then reused)."""
+        if peer in copies:
+            self._settle_terms(copies[peer])
+        _store(copies, peer, values)
+
+    def _settle_terms(self, changing: Optional[np.ndarray] = None) -> None:
+        """Apply the pending terms to the shard in one pass (only when ``changing``, a copy
+        about to be written, is among them, where given)."""
+        if not self._terms or (changing is not None
+                               and all(c is not changing for _, c in self._terms)):
+            return
+        began = time.perf_counter()
+        combine(self.shard, self._base, self._terms, self.weight)
+        self._terms = []
+        self.codec_seconds += time.perf_counter() - began
 
     def settle(self) -> None:
-        """De-bias the numerators this mixer summed into (unlike PushSumMixer's, CHOCO's
-        shares are differences of copies, so it sums numerators), then end the iteration."""
-        self._debias()
+        """Apply the iteration's terms (the shard is then de-biased: z = x / w), then end it."""
+        self._settle_terms()
         super().settle()
 
     def abandon(self) -> None:
-        self._debias()
+        self._settle_terms()
         super().abandon()
 
-    def _debias(self) -> None:
-        if self._numerators:
-            shard = self.shard
-            shard /= self.buffer[self.n]
-            self._numerators = False
-
-    def _record(self, sign: float, weight: float, copy: np.ndarray) -> None:
-        """Mass ledgers for tests (the weight share times the copy, and the share): totals in
-        ``audit``, per entry in ``ledger``."""
+    def _record(self, coefficient: float, copy: np.ndarray) -> None:
+        """Mass ledgers for tests (the weight share times the copy, and the share; sent mass
+        is a negative coefficient): totals in ``audit``, per entry in ``ledger``."""
         if self.audit is not None:
-            mass = np.array([weight * float(copy.sum(dtype=np.float64)), weight])
-            if sign > 0:
+            mass = np.array([abs(coefficient) * float(copy.sum(dtype=np.float64)),
+                             abs(coefficient)])
+            if coefficient < 0:
                 self.audit.sent += mass
             else:
                 self.audit.received += mass
         if self.ledger is not None:
-            self.ledger[:-1] += sign * weight * copy
-            self.ledger[-1] += sign * weight
+            self.ledger[:-1] -= coefficient * copy
+            self.ledger[-1] -= coefficient
 
     # --- checkpoints ----------------------------------------------------------------------
     def state(self) -> dict:
@@ -261,13 +272,6 @@ class ChocoOverlapMixer(ChocoMixer, OverlapMixer):
                               push_sum, codec, max_delay)
         self._compress(step, error_feedback)
 
-    def drain(self) -> None:
-        if self.track_weight and not self._numerators:  # sum the stragglers into numerators
-            shard = self.shard
-            shard *= self.buffer[self.n]
-            self._numerators = True
-        super().drain()
-
     def _collect(self, stale: int) -> None:
         """Add arrived messages, oldest iteration first; a peer's message waits while an older
         one from it is still out. Messages of iterations <= ``stale`` are waited for."""
@@ -291,6 +295,35 @@ class ChocoOverlapMixer(ChocoMixer, OverlapMixer):
         if rows:
             self.add([pending.received[t] for t in rows], [sources[t] for t in rows])
             pending.added.update(rows)
+
+
+def combine(shard: np.ndarray, weight: float, terms: Sequence[tuple[float, np.ndarray]],
+            new_weight: float) -> None:
+    """shard = (weight shard + sum_t a_t c_t) / new_weight, block by block: one pass over
+    memory, with the weight and de-bias folded in (the numerators are never stored). Terms
+    with opposite coefficients (a node's out- and in-copy of one iteration on a regular
+    graph) are taken as one difference."""
+    scale = weight / new_weight
+    pairs, singles, rest = [], [], [(a / new_weight, c) for a, c in terms]
+    while rest:
+        a, c = rest.pop()
+        twin = next((t for t, (b, _) in enumerate(rest) if b == -a), None)
+        if twin is None:
+            singles.append((a, c))
+        else:
+            pairs.append((a, c, rest.pop(twin)[1]))
+    work = np.empty(min(BLOCK, len(shard)), shard.dtype)
+    for start, stop in blocks(len(shard)):
+        out, tmp = shard[start:stop], work[:stop - start]
+        if scale != 1:
+            out *= scale
+        for a, plus, minus in pairs:
+            np.subtract(plus[start:stop], minus[start:stop], out=tmp)
+            tmp *= a
+            out += tmp
+        for a, copy in singles:
+            np.multiply(copy[start:stop], a, out=tmp)
+            out += tmp
 
 
 def _store(copies: dict, peer: int, values: np.ndarray) -> None:

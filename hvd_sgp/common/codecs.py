@@ -9,13 +9,15 @@ each framework's ``Compression`` namespace is generated from it, so a new codec 
 The 16-bit casts push the parameters themselves (their error is small). The lossy codecs
 (``int8``, ``topk:F``, ``randomk:F``) are ``differential``: pushing their encoding of the
 parameters would make the de-biased average drift, so the mixer gossips encoded differences
-against public copies instead (choco.py). Every encoder is vectorized: no Python loop runs
-over elements.
+against public copies instead (choco.py), or for random-k exact values on entries every node
+draws alike (sparse.py; mixers.py chooses). Every encoder is vectorized, and the ones that
+compressed gossip runs each step work block by block in one pass over memory: no Python loop
+runs over elements, and no model-sized temporary is allocated.
 """
 from __future__ import annotations
 
 import math
-from typing import ClassVar, Optional, Union
+from typing import ClassVar, Iterator, Optional, Union
 
 import numpy as np
 
@@ -116,13 +118,56 @@ def _fraction(name: str, text: str) -> float:
     return value
 
 
-class _Sparse(Codec):
+BLOCK = 1 << 16  # values per block of a fused pass: a block's temporaries stay in cache
+
+
+def blocks(n: int) -> Iterator[tuple[int, int]]:
+    """(start, stop) of the blocks that cover n values."""
+    for start in range(0, n, BLOCK):
+        yield start, min(n, start + BLOCK)
+
+
+class _Lossy(Codec):
+    """A codec that compressed gossip moves public copies with (choco.py): it encodes the
+    difference between the parameters and a reference without forming it, and adds what a
+    message decodes to into a copy, both block by block (no model-sized temporary)."""
+
+    exact, differential = False, True
+
+    def __init__(self) -> None:
+        self._work: dict[tuple[np.dtype, int], np.ndarray] = {}
+
+    def work(self, dtype, slot: int = 0) -> np.ndarray:
+        """A reused block-sized scratch array (``slot`` tells several apart)."""
+        key = (np.dtype(dtype), slot)
+        if key not in self._work:
+            self._work[key] = np.empty(BLOCK, dtype)
+        return self._work[key]
+
+    def encode(self, values: np.ndarray, out: np.ndarray) -> None:
+        self.encode_delta(values, None, out)
+
+    def encode_delta(self, values: np.ndarray, reference: Optional[np.ndarray],
+                     out: np.ndarray, copy: Optional[np.ndarray] = None,
+                     seed: int = 0) -> None:
+        """Write the encoding of ``values - reference`` (``values`` when None) into ``out``,
+        and add what it decodes to into ``copy`` (a public copy, possibly ``reference``
+        itself), as a receiver's ``add_to`` does. ``seed`` draws random choices."""
+        raise NotImplementedError
+
+    def decode(self, data: np.ndarray, n: int) -> np.ndarray:
+        dense = np.zeros(n, np.float32)
+        self.add_to(data, n, dense)
+        return dense
+
+
+class _Sparse(_Lossy):
     """A fraction of the entries, as float32 values; subclasses say which entries."""
 
     argument = "F, the fraction of entries sent, in (0, 1]"
-    exact, differential = False, True
 
     def __init__(self, fraction: "str | float"):
+        super().__init__()
         self.fraction = _fraction(self.name, str(fraction))
 
     @property
@@ -136,14 +181,11 @@ class _Sparse(Codec):
 
 class TopKCodec(_Sparse):
     """The k = ceil(F n) entries of largest magnitude, with their uint32 indices (8 bytes
-    each). Selection is exact: a threshold from a sample keeps a few more than k candidates
-    in one pass, and only those are partitioned (all of them when the sample undershoots)."""
+    each), ties broken by position. Selection is exact and takes about one pass: a threshold
+    from a strided sample keeps a few more than k candidates, gathered block by block, and
+    only those are partitioned."""
 
     name, compressor = "topk", "TopKCompressor"
-
-    def __init__(self, fraction: "str | float"):
-        super().__init__(fraction)
-        self._magnitude: Optional[np.ndarray] = None
 
     @property
     def consensus_step(self) -> float:
@@ -158,103 +200,199 @@ class TopKCodec(_Sparse):
             raise OptionError(f"topk indexes with uint32: a shard of {n} values is too long")
         return 8 * self.count(n)
 
-    def select(self, values: np.ndarray) -> np.ndarray:
-        """Indices of the count(n) entries of largest magnitude (in no particular order)."""
+    def select(self, values: np.ndarray, reference: Optional[np.ndarray] = None
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """(indices in increasing order, values) of the count(n) entries of ``values -
+        reference`` of largest magnitude."""
         n, k = len(values), self.count(len(values))
-        if self._magnitude is None or len(self._magnitude) != n:
-            self._magnitude = np.empty(n, np.float32)
-        magnitude = self._magnitude
-        np.abs(values, out=magnitude, casting="unsafe")
         if k == n:
-            return np.arange(n)
+            return np.arange(n), _difference(values, reference, slice(0, n))
         stride = max(1, k // 1024)  # a sample where about 1024 entries beat the threshold
-        sample = magnitude[::stride]
+        sample = np.abs(_difference(values, reference, slice(None, None, stride)))
         expected = k * len(sample) / n
         rank = max(0, len(sample) - 1 - int(1.1 * expected + 4 * math.sqrt(expected) + 8))
         threshold = np.partition(sample, rank)[rank]
-        candidates = np.flatnonzero(magnitude >= threshold)
-        if len(candidates) < k:
-            candidates = np.arange(n)
-        top = np.argpartition(magnitude[candidates], len(candidates) - k)[len(candidates) - k:]
-        return candidates[top]
+        index, kept = self._scan(values, reference, threshold, np.greater)
+        if len(index) >= k:
+            return _largest(index, kept, k)
+        # too few beat the sample's threshold (ties at it, or an unlucky sample): the entries
+        # equal to it, in order, complete the set when there are enough of them
+        ties, tied = self._scan(values, reference, threshold, np.equal, k - len(index))
+        if len(index) + len(ties) < k:  # the k-th largest lies below the threshold
+            magnitude = np.abs(_difference(values, reference, slice(0, n)))
+            kth = np.partition(magnitude, n - k)[n - k]
+            index, kept = self._scan(values, reference, kth, np.greater)
+            ties, tied = self._scan(values, reference, kth, np.equal, k - len(index))
+        order = np.argsort(np.concatenate([index, ties]), kind="stable")
+        return (np.concatenate([index, ties])[order], np.concatenate([kept, tied])[order])
 
-    def encode(self, values: np.ndarray, out: np.ndarray) -> None:
+    def _scan(self, values, reference, threshold, compare, limit: Optional[int] = None
+              ) -> tuple[np.ndarray, np.ndarray]:
+        """Indices and differences of the entries whose magnitude ``compare``s true with the
+        threshold, in order, block by block; stops after ``limit`` of them."""
+        difference, magnitude = self.work(values.dtype, 0), self.work(values.dtype, 1)
+        mask = self.work(np.bool_)
+        found, kept, count = [], [], 0
+        for start, stop in blocks(len(values)):
+            d, m, hit = difference[:stop - start], magnitude[:stop - start], mask[:stop - start]
+            if reference is None:
+                d[...] = values[start:stop]
+            else:
+                np.subtract(values[start:stop], reference[start:stop], out=d)
+            np.abs(d, out=m)
+            compare(m, threshold, out=hit)
+            where = np.flatnonzero(hit)
+            if limit is not None:
+                where = where[:limit - count]
+            found.append(where + start)
+            kept.append(d[where])
+            count += len(where)
+            if limit is not None and count >= limit:
+                break
+        return (np.concatenate(found) if found else np.zeros(0, np.int64),
+                np.concatenate(kept) if kept else np.zeros(0, values.dtype))
+
+    def encode_delta(self, values, reference, out, copy=None, seed=0) -> None:
         k = self.count(len(values))
-        index = self.select(values)
+        index, kept = self.select(values, reference)
         out[:4 * k].view(np.uint32)[...] = index
-        out[4 * k:8 * k].view(np.float32)[...] = values[index]
+        out[4 * k:8 * k].view(np.float32)[...] = kept
+        if copy is not None:
+            self.add_to(out, len(values), copy)
 
     def _parts(self, data: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
         k = self.count(n)
         return data[:4 * k].view(np.uint32), data[4 * k:8 * k].view(np.float32)
 
-    def decode(self, data: np.ndarray, n: int) -> np.ndarray:
-        index, values = self._parts(data, n)
-        dense = np.zeros(n, np.float32)
-        dense[index] = values
-        return dense
-
     def add_to(self, data: np.ndarray, n: int, target: np.ndarray) -> None:
         index, values = self._parts(data, n)
-        target[index] += values
+        np.add.at(target, index.astype(np.intp), values)  # unique indices: 6x a fancy +=
 
     def finite(self, data: np.ndarray, n: int) -> bool:
         return bool(np.isfinite(self._parts(data, n)[1]).all())
 
 
 class RandomKCodec(_Sparse):
-    """k = ceil(F n) entries drawn at random (with replacement, so slightly fewer distinct):
-    the message carries the 8-byte seed of the draw instead of indices (4 bytes per entry).
-    Unscaled, as compressed gossip needs (a contraction, not an unbiased estimate)."""
+    """About k = ceil(F n) entries at random, as runs of a few consecutive entries (each entry
+    is still chosen with probability F, and runs are gathered at memory speed): the message
+    carries the 8-byte seed of the draw instead of indices. Nodes that draw with the same seed
+    (the iteration) pick the same entries, which random-k gossip builds on (sparse.py)."""
 
     name, compressor = "randomk", "RandomKCompressor"
 
     @property
     def consensus_step(self) -> float:
-        """F / 2: random-k removes only F of a difference's energy per push, and the
-        error-feedback loop is stable only for gamma below that (CHOCO's condition)."""
+        """F / 2, for compressed gossip (choco.py, where weights move): random-k removes only
+        F of a difference's energy per push, and the error-feedback loop is stable only for
+        gamma below that (CHOCO's condition)."""
         return self.fraction / 2
 
-    def __init__(self, fraction: "str | float"):
-        super().__init__(fraction)
-        self._draws = 0
+    @staticmethod
+    def run(n: int) -> int:
+        """Entries per run: 1 for small shards, up to 64 (a 256-byte stretch) for large."""
+        return min(64, max(1, n // 4096))
+
+    def _runs(self, n: int) -> tuple[int, int]:
+        """(runs drawn, runs in all) for n entries."""
+        runs = -(-n // self.run(n))
+        return min(runs, max(1, math.ceil(self.fraction * runs))), runs
+
+    def count(self, n: int) -> int:
+        """The most entries a draw holds (its last run may be cut short by the shard's end)."""
+        return self._runs(n)[0] * self.run(n)
 
     def nbytes(self, n: int) -> int:
         return 8 + 4 * self.count(n)
 
-    def _index(self, seed: int, n: int) -> np.ndarray:
-        return np.random.default_rng(seed).integers(0, n, self.count(n))
+    def draw(self, seed: int, n: int) -> Draw:
+        """The entries that ``seed`` picks out of n."""
+        drawn, runs = self._runs(n)
+        chosen = np.random.default_rng(seed).choice(runs, drawn, replace=False)
+        return Draw(np.sort(chosen), self.run(n), n)
 
-    def encode(self, values: np.ndarray, out: np.ndarray) -> None:
-        self._draws += 1
-        out[:8].view(np.uint64)[0] = self._draws
-        out[8:].view(np.float32)[...] = values[self._index(self._draws, len(values))]
+    def encode_delta(self, values, reference, out, copy=None, seed=0) -> None:
+        draw = self.draw(seed, len(values))
+        out[:8].view(np.uint64)[0] = seed
+        payload = out[8:].view(np.float32)
+        payload[draw.size:] = 0
+        if reference is None:
+            draw.gather(values, payload[:draw.size])
+        else:  # the difference in the values' precision, then rounded
+            np.subtract(draw.gather(values), draw.gather(reference), out=payload[:draw.size],
+                        casting="unsafe")
+        if copy is not None:
+            draw.add(copy, payload[:draw.size])
 
-    def decode(self, data: np.ndarray, n: int) -> np.ndarray:
-        dense = np.zeros(n, np.float32)
-        self.add_to(data, n, dense)
-        return dense
+    def seed(self, data: np.ndarray) -> int:
+        return int(data[:8].view(np.uint64)[0])
+
+    def values(self, data: np.ndarray, n: int) -> tuple[Draw, np.ndarray]:
+        """The draw a message was encoded with, and its values."""
+        draw = self.draw(self.seed(data), n)
+        return draw, data[8:8 + 4 * draw.size].view(np.float32)
 
     def add_to(self, data: np.ndarray, n: int, target: np.ndarray) -> None:
-        index = self._index(int(data[:8].view(np.uint64)[0]), n)
-        target[index] += data[8:].view(np.float32)  # a repeated index is added once
+        draw, values = self.values(data, n)
+        draw.add(target, values)
 
     def finite(self, data: np.ndarray, n: int) -> bool:
         return bool(np.isfinite(data[8:].view(np.float32)).all())
 
 
-class Int8Codec(Codec):
+class Draw:
+    """The entries random-k picked: ``chosen`` runs (sorted) of ``run`` consecutive entries
+    of n, the last run possibly cut short. Gathers and adds move whole runs."""
+
+    def __init__(self, chosen: np.ndarray, run: int, n: int):
+        self.run, self.n = run, n
+        self.full = n // run  # runs that are whole
+        self.cut = len(chosen) and chosen[-1] == self.full  # the short last run is drawn
+        self.chosen = chosen[:-1] if self.cut else chosen
+        self.size = len(self.chosen) * run + (n - self.full * run if self.cut else 0)
+
+    def _rows(self, a: np.ndarray) -> np.ndarray:
+        return a[:self.full * self.run].reshape(self.full, self.run)
+
+    def gather(self, a: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """a's drawn entries, in order (into ``out`` where given)."""
+        out = np.empty(self.size, a.dtype) if out is None else out
+        whole = len(self.chosen) * self.run
+        rows = out[:whole].reshape(-1, self.run)
+        if out.dtype == a.dtype:
+            np.take(self._rows(a), self.chosen, axis=0, out=rows)
+        else:
+            rows[...] = self._rows(a)[self.chosen]
+        if self.cut:
+            out[whole:] = a[self.full * self.run:]
+        return out
+
+    def add(self, a: np.ndarray, values: np.ndarray) -> None:
+        """a's drawn entries += values."""
+        whole = len(self.chosen) * self.run
+        self._rows(a)[self.chosen] += values[:whole].reshape(-1, self.run)
+        if self.cut:
+            a[self.full * self.run:] += values[whole:]
+
+    def set(self, a: np.ndarray, values: np.ndarray) -> None:
+        """a's drawn entries = values."""
+        whole = len(self.chosen) * self.run
+        self._rows(a)[self.chosen] = values[:whole].reshape(-1, self.run)
+        if self.cut:
+            a[self.full * self.run:] = values[whole:]
+
+
+class Int8Codec(_Lossy):
     """8-bit integers with one float32 scale per chunk of CHUNK values (max |v| / 127): about
     4x fewer bytes than float32. ``int8:stochastic`` rounds stochastically (unbiased) instead
-    of to nearest."""
+    of to nearest. Encoding, and the copy update beside it, run in one pass block by block."""
 
     name, compressor = "int8", "Int8Compressor"
     argument = "rounding: nearest (default) or stochastic"
     optional = True
-    exact, differential = False, True
-    CHUNK = 1024
+    CHUNK = 1024  # BLOCK is a multiple of it
 
     def __init__(self, rounding: str = "nearest"):
+        super().__init__()
         if rounding not in ("nearest", "stochastic"):
             raise OptionError(f"int8 rounds to 'nearest' or 'stochastic', got {rounding!r}")
         self.rounding = rounding
@@ -270,48 +408,77 @@ class Int8Codec(Codec):
     def nbytes(self, n: int) -> int:
         return n + 4 * self._chunks(n)
 
+    def _layout(self, data: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+        chunks = self._chunks(n)
+        return data[:4 * chunks].view(np.float32), data[4 * chunks:4 * chunks + n].view(np.int8)
+
     def _rows(self, values: np.ndarray) -> list[tuple[slice, np.ndarray]]:
-        """(chunk indices, values as rows of a chunk) for the full chunks and the tail."""
+        """(chunk indices, values as rows of a chunk) for the full chunks and the tail, of a
+        block that starts on a chunk boundary."""
         n = len(values)
         full = n // self.CHUNK
         parts = [(slice(0, full), values[:full * self.CHUNK].reshape(full, self.CHUNK))]
         if full * self.CHUNK < n:
             parts.append((slice(full, full + 1), values[full * self.CHUNK:].reshape(1, -1)))
-        return parts
+        return [part for part in parts if part[1].size]
 
-    def encode(self, values: np.ndarray, out: np.ndarray) -> None:
-        chunks = self._chunks(len(values))
-        scales = out[:4 * chunks].view(np.float32)
-        codes = out[4 * chunks:].view(np.int8)
-        for (index, rows), (_, target) in zip(self._rows(values), self._rows(codes)):
-            if not rows.size:
-                continue
-            top = np.maximum(rows.max(axis=1), -rows.min(axis=1)) / 127
-            scales[index] = top
-            scaled = rows * (1 / np.where(top > 0, top, 1)).astype(np.float32)[:, None]
-            if self._rng is not None:
-                scaled += self._rng.random(scaled.shape, np.float32)
-                np.floor(scaled, out=scaled)
-                np.clip(scaled, -127, 127, out=scaled)  # 127 (1 + eps) + U may floor to 128
+    def encode_delta(self, values, reference, out, copy=None, seed=0) -> None:
+        scales, codes = self._layout(out, len(values))
+        difference, work = self.work(np.float32, 0), self.work(np.float32, 1)
+        for start, stop in blocks(len(values)):
+            d, w = difference[:stop - start], work[:stop - start]
+            if reference is None:
+                d[...] = values[start:stop]
             else:
-                np.rint(scaled, out=scaled)  # |scaled| <= 127 (1 + eps) rounds into range
-            target[...] = scaled
+                np.subtract(values[start:stop], reference[start:stop], out=d, casting="unsafe")
+            first = start // self.CHUNK
+            for (index, rows), (_, scratch), (_, target) in zip(
+                    self._rows(d), self._rows(w), self._rows(codes[start:stop])):
+                np.abs(rows, out=scratch)
+                top = scratch.max(axis=1) / 127
+                scales[first + index.start:first + index.stop] = top
+                np.multiply(rows, (1 / np.where(top > 0, top, 1)).astype(np.float32)[:, None],
+                            out=scratch)
+                if self._rng is not None:
+                    scratch += self._rng.random(scratch.shape, np.float32)
+                    np.floor(scratch, out=scratch)
+                    np.clip(scratch, -127, 127, out=scratch)  # 127 (1 + eps) + U may floor to 128
+                else:
+                    np.rint(scratch, out=scratch)  # |scaled| <= 127 (1 + eps) rounds into range
+                target[...] = scratch
+            if copy is not None:
+                self._add_block(scales, codes, start, stop, copy)
+
+    def _add_block(self, scales, codes, start: int, stop: int, target: np.ndarray) -> None:
+        """target[start:stop] += the block's decoded values."""
+        work = self.work(np.float32, 2)[:stop - start]
+        first = start // self.CHUNK
+        for (index, rows), (_, into) in zip(self._rows(codes[start:stop]), self._rows(work)):
+            np.multiply(rows, scales[first + index.start:first + index.stop, None], out=into)
+        target[start:stop] += work
 
     def add_to(self, data: np.ndarray, n: int, target: np.ndarray) -> None:
-        chunks = self._chunks(n)
-        scales = data[:4 * chunks].view(np.float32)
-        codes = data[4 * chunks:4 * chunks + n].view(np.int8)
-        for (index, rows), (_, into) in zip(self._rows(codes), self._rows(target)):
-            if rows.size:
-                into += rows * scales[index, None]
-
-    def decode(self, data: np.ndarray, n: int) -> np.ndarray:
-        values = np.zeros(n, np.float32)
-        self.add_to(data, n, values)
-        return values
+        scales, codes = self._layout(data, n)
+        for start, stop in blocks(n):
+            self._add_block(scales, codes, start, stop, target)
 
     def finite(self, data: np.ndarray, n: int) -> bool:
-        return bool(np.isfinite(data[:4 * self._chunks(n)].view(np.float32)).all())
+        return bool(np.isfinite(self._layout(data, n)[0]).all())
+
+
+def _difference(values: np.ndarray, reference: Optional[np.ndarray], where) -> np.ndarray:
+    """values[where] - reference[where] (values[where] alone without a reference)."""
+    return values[where] if reference is None else values[where] - reference[where]
+
+
+def _largest(index: np.ndarray, values: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k entries of largest magnitude among candidates, in their order (ties by order)."""
+    magnitude = np.abs(values)
+    kth = np.partition(magnitude, len(values) - k)[len(values) - k]
+    keep = magnitude > kth
+    tied = np.flatnonzero(magnitude == kth)[:k - int(keep.sum())]
+    keep[tied] = True
+    return index[keep], values[keep]
 
 
 REGISTRY: dict[str, type[Codec]] = {}

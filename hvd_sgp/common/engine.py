@@ -18,7 +18,8 @@ buffers hold the framework's current parameters before and writes them back afte
 staged device tensors and TF variables; nothing where the buffers are the parameters' memory).
 The exchange is PushSum over the cross-node graph (``sgp``, synchronous or overlapped),
 symmetric pairwise averaging (``dpsgd``) or nothing (``allreduce``, where the gradients were
-averaged over the world instead). Lossy codecs gossip through compressed PushSum (choco.py);
+averaged over the world instead). Lossy codecs gossip through compressed PushSum (choco.py),
+random-k where it can through exact gossip on shared entries (sparse.py; mixers.py chooses);
 ``local_steps`` and SlowMo decide which steps communicate (outer.py).
 
 In fault-tolerant mode a lost peer surfaces in any of these operations as PeerLostError. In a
@@ -41,14 +42,13 @@ import numpy as np
 
 from hvd_sgp.common import recovery, runtime, schedule, telemetry
 from hvd_sgp.common.arrays import kit_for
-from hvd_sgp.common.choco import ChocoMixer, ChocoOverlapMixer
 from hvd_sgp.common.codecs import Codec, codec as make_codec
 from hvd_sgp.common.errors import ConsistencyError, PeerLostError, PeerTimeoutError, SgpValueError
 from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.node import NodeShard, average_arrays, exact_average
 from hvd_sgp.common.options import SgpOptions
 from hvd_sgp.common.outer import OuterLoop
-from hvd_sgp.common.overlap import OverlapMixer
+from hvd_sgp.common.mixers import build
 from hvd_sgp.common.pushsum import PushSumMixer, drain, exchange, release
 from hvd_sgp.common.topology import BipartiteExponentialGraph, make_topology
 from hvd_sgp.common.transport import PeerTransport, Progress
@@ -215,21 +215,16 @@ class GossipEngine:
         else:
             topology = make_topology(self.options.topology, nodes, stage.peers)
             push_sum = self.options.push_sum
-        compress = (dict(step=self.options.consensus_step,
-                         error_feedback=self.options.error_feedback)
-                    if self.codec.differential else {})
-        if stage.overlap:
-            if self.progress is None:
-                self.progress = Progress(self.transport)
-            kind = ChocoOverlapMixer if compress else OverlapMixer
-            extra = compress or {"in_place": True}  # the buffers are written after begin_step
-            self.mixers = [kind(buf, topology, self.transport, self.progress, self.local,
-                                push_sum, self.codec, self.options.max_delay, **extra)
-                           for buf in self.buffers]
-        else:
-            kind = ChocoMixer if compress else PushSumMixer
-            self.mixers = [kind(buf, topology, self.transport, self.local, push_sum, self.codec,
-                                **compress) for buf in self.buffers]
+        if stage.overlap and self.progress is None:
+            self.progress = Progress(self.transport)
+        self.mixers = [build(buf, topology, self.transport, local=self.local,
+                             push_sum=push_sum, codec=self.codec,
+                             progress=self.progress if stage.overlap else None,
+                             max_delay=self.options.max_delay,
+                             consensus_step=self.options.consensus_step,
+                             error_feedback=self.options.error_feedback,
+                             in_place=True)  # the buffers are written after begin_step
+                       for buf in self.buffers]
         for mixer in self.mixers:
             mixer.iteration = self.outer.rounds(self.steps)
         if was_tracking and not self.tracks_weight:

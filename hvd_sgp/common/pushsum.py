@@ -261,6 +261,14 @@ class PushSumMixer:
             values, share = message[:self.width], float(message[self.width])
         return np.array([share * self.kit.total(values), share])
 
+    def state(self) -> dict:
+        """What a checkpoint needs beyond the buffer (compressed gossip's copies); call with
+        nothing in flight."""
+        return {}
+
+    def load_state(self, state: dict) -> None:
+        """Restore what ``state`` returned."""
+
     def _check_weight(self, share: float, own: float, peer: int) -> None:
         if not math.isfinite(share) or share <= 0:
             raise SgpError(f"received PushSum weight {share!r} from "

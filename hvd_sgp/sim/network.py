@@ -14,10 +14,10 @@ from typing import Any, Iterator, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
-from hvd_sgp.common.choco import ChocoMixer, ChocoOverlapMixer
+from hvd_sgp.common.choco import ChocoMixer
 from hvd_sgp.common.codecs import Codec, codec as make_codec, unpack
 from hvd_sgp.common.errors import PeerTimeoutError, SgpError, SgpValueError
-from hvd_sgp.common.overlap import OverlapMixer
+from hvd_sgp.common.mixers import build
 from hvd_sgp.common.pushsum import PushSumMixer, drain, exchange
 from hvd_sgp.common.topology import Topology, make_topology
 from hvd_sgp.common.transport import Pending, TransportStats
@@ -169,8 +169,10 @@ class SimNetwork:
     into it, and every node's mixer works on its own row of the same array.
 
     ``codec`` encodes the pushes: lossy ones (int8, topk:F, randomk:F) through compressed
-    PushSum with ``consensus_step`` and ``error_feedback`` (``compressed=True`` forces that
-    path for any codec, ``False`` pushes encodings naively: the drift it causes).
+    PushSum with ``consensus_step`` and ``error_feedback``, random-k on synchronous doubly
+    stochastic graphs through exact gossip on shared entries (mixers.py decides;
+    ``compressed=True`` forces compressed PushSum for any codec, ``False`` pushes encodings
+    naively: the drift it causes).
     """
 
     def __init__(self, topology: Union[str, Topology], dim: int, n: Optional[int] = None,
@@ -192,19 +194,14 @@ class SimNetwork:
         transports = [SimTransport(self.mailbox, i, self.n) for i in range(self.n)]
         self.progress: Optional[SimProgress] = None
         self.codec = make_codec(codec)
-        self.compressed = self.codec.differential if compressed is None else compressed
-        extra = (dict(step=consensus_step, error_feedback=error_feedback)
-                 if self.compressed else {})
         if delay:
             self.progress = SimProgress(self.mailbox)
-            kind = ChocoOverlapMixer if self.compressed else OverlapMixer
-            self.mixers: list[PushSumMixer] = [
-                kind(self.buffers[i], topology, transports[i], self.progress, push_sum=debias,
-                     codec=self.codec, max_delay=delay, **extra) for i in range(self.n)]
-        else:
-            kind = ChocoMixer if self.compressed else PushSumMixer
-            self.mixers = [kind(self.buffers[i], topology, transports[i], push_sum=debias,
-                                codec=self.codec, **extra) for i in range(self.n)]
+        self.mixers: list[PushSumMixer] = [
+            build(self.buffers[i], topology, transports[i], push_sum=debias, codec=self.codec,
+                  progress=self.progress, max_delay=delay, consensus_step=consensus_step,
+                  error_feedback=error_feedback, compressed=compressed)
+            for i in range(self.n)]
+        self.compressed = isinstance(self.mixers[0], ChocoMixer)
         for mixer in self.mixers:
             if self.compressed:
                 mixer.ledger = np.zeros(dim + 1)
