@@ -440,14 +440,17 @@ class Int8Codec(_Lossy):
                 np.multiply(rows, (1 / np.where(top > 0, top, 1)).astype(np.float32)[:, None],
                             out=scratch)
                 if self._rng is not None:
-                    scratch += self._rng.random(scratch.shape, np.float32)
+                    noise = self.work(np.float32, 2)[:scratch.size].reshape(scratch.shape)
+                    scratch += self._rng.random(dtype=np.float32, out=noise)
                     np.floor(scratch, out=scratch)
                     np.clip(scratch, -127, 127, out=scratch)  # 127 (1 + eps) + U may floor to 128
                 else:
                     np.rint(scratch, out=scratch)  # |scaled| <= 127 (1 + eps) rounds into range
                 target[...] = scratch
+                if copy is not None:  # the codes as floats times the scale: what add_to adds
+                    scratch *= top[:, None]
             if copy is not None:
-                self._add_block(scales, codes, start, stop, copy)
+                copy[start:stop] += w
 
     def _add_block(self, scales, codes, start: int, stop: int, target: np.ndarray) -> None:
         """target[start:stop] += the block's decoded values."""
