@@ -347,16 +347,19 @@ def plot(report: dict, folder: Path, logs: list[Path]) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from cycler import cycler
 
     from hvd_sgp import plot as sgp_plot
 
     panels = [o for o in (False, True) if any(r["overlap"] == o for r in report["rows"])]
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), squeeze=False)
     for ax, overlap in zip(axes[0], panels):
+        # ten colours, then the same dashed: every variant its own line
+        ax.set_prop_cycle(cycler(linestyle=["-", "--"]) * cycler(color=plt.cm.tab10.colors))
         for r in (r for r in report["rows"] if r["overlap"] == overlap):
             ax.plot([p[1] for p in r["curve"]], [p[2] for p in r["curve"]], label=r["label"])
         ax.axhline(report["target"], color="grey", lw=0.8)
-        ax.set(xlabel="step", ylabel="mean test accuracy over ranks", ylim=(0.5, 1.0),
+        ax.set(xlabel="step", ylabel="mean test accuracy (ranks, seeds)", ylim=(0.5, 1.0),
                title=f"digits CNN, n = {report['n']}, "
                      f"{'OSGP tau=2' if overlap else 'synchronous SGP'}")
         ax.legend(fontsize=7)

@@ -49,25 +49,36 @@ def plot(runs: dict[str, list[dict]], output: str, relative: bool = True) -> Non
 
 def plot_elastic(runs: dict[str, list[dict]], output: str) -> None:
     """Per run: the largest ||z_i - mean|| / lr over ranks at each record (thin) and its
-    running maximum, the run's elastic-consistency constant (thick)."""
+    running maximum, the run's elastic-consistency constant (thick). Records where the ranks
+    agree exactly (an exact average just before) are drawn at the axis' floor, a tenth of the
+    smallest constant, instead of stretching it down to rounding."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from cycler import cycler
 
-    fig, ax = plt.subplots(figsize=(8, 4.8))
+    curves = {}
     for label, rows in runs.items():
-        steps = [r["step"] for r in rows]
-        now = [max(d / r["lr"] if r.get("lr") else 0.0 for d in r["deviation"]) for r in rows]
-        constant = [r.get("elastic_constant", max(r["elastic"])) for r in rows]
-        line, = ax.plot(steps, [max(c, 1e-16) for c in constant], lw=2,
+        curves[label] = ([r["step"] for r in rows],
+                         [max(d / r["lr"] if r.get("lr") else 0.0 for d in r["deviation"])
+                          for r in rows],
+                         [r.get("elastic_constant", max(r["elastic"])) for r in rows])
+    floor = 0.1 * min((c for _, _, constant in curves.values() for c in constant if c > 0),
+                      default=1.0)
+    fig, ax = plt.subplots(figsize=(11, 5))
+    ax.set_prop_cycle(cycler(linestyle=["-", "--"]) * cycler(color=plt.cm.tab10.colors))
+    for label, (steps, now, constant) in curves.items():
+        line, = ax.plot(steps, [max(c, floor) for c in constant], lw=2,
                         label=f"{label}: B = {constant[-1]:.3g}")
-        ax.plot(steps, [max(v, 1e-16) for v in now], lw=0.6, alpha=0.6, color=line.get_color())
+        ax.plot(steps, [max(v, floor) for v in now], lw=0.6, alpha=0.5, color=line.get_color(),
+                linestyle=line.get_linestyle())
     ax.set_yscale("log")
+    ax.set_ylim(bottom=floor)
     ax.set(xlabel="step", ylabel="max_i ||z_i - mean|| / lr",
            title="elastic-consistency estimate per variant (thick: running constant B)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(output, dpi=120)
     plt.close(fig)
