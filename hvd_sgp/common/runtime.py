@@ -549,7 +549,7 @@ def _grow(state: _State, seats: dict, known: set) -> Optional[WorldChange]:
         merged = inter.Merge(high=False)
     finally:
         untrack(inter)
-        _free(inter)
+        inter.Disconnect()  # (with the replacements' parent.Disconnect(): see _arrive)
     size_before = state.world.Get_size()
     merged.bcast(plan, root=0)
     world, local, cross, entries = _settle(merged, plan, state.origin, state.node,
@@ -590,6 +590,11 @@ def _arrive(parent: MPI.Comm) -> _State:
     try:
         parent.Set_errhandler(MPI.ERRORS_RETURN)
         merged = parent.Merge(high=True)
+        # Disconnected, not kept: a parent intercommunicator still held at exit makes MPI_Finalize
+        # wait forever to disconnect from survivors that no longer hold theirs (the exit alarm
+        # then killed the replacement, and PRRTE 3.0 reported the spawned job's abnormal end as
+        # "LAUNCHER JOB OBJECT NOT FOUND", its parent job being gone).
+        parent.Disconnect()
         plan = merged.bcast(None, root=0)
         origin, _, node, _ = plan["newcomers"][merged.Get_rank() - plan["survivors"]]
         node = MPI.Get_processor_name() if node is None else node
