@@ -147,7 +147,8 @@ def test_grow_back_twice_in_two_rank_nodes_rank_0_lost():
     output = expect_passed(proc, "grow checks passed on 4 ranks")
     assert "origins by rank [1, 4, 2, 5]" in output, output[-3000:]
     assert "nodes [(0, 2, 0), (1, 2, 0), (0, 2, 1), (1, 2, 1)]" in output
-    assert "rank(s) [0, 3] were lost and excluded" in output
+    assert ("rank(s) [0, 3] were lost and replaced by new processes (launch rank(s) [4, 5])"
+            in output)
     print(f"grow back, SIGKILL: kill to the first step on 4 ranks "
           f"{kill_to_back(output, 3):.2f} s")
 
@@ -278,8 +279,9 @@ def test_fault_records_decide_the_status(tmp_path):
     assert not fault_record.verdict(str(tmp_path)).completed
 
 
-def test_fault_records_with_a_replacement(tmp_path):
-    """A replacement (launch rank 4 of a 4-rank job) records like any rank."""
+def test_fault_records_with_a_replacement(tmp_path, capsys):
+    """A replacement (launch rank 4 of a 4-rank job) records like any rank; sgprun says the
+    lost rank was replaced, not excluded."""
     env = {fault_record.VARIABLE: str(tmp_path)}
     for rank in range(5):
         fault_record.write("started", rank, env)
@@ -287,3 +289,25 @@ def test_fault_records_with_a_replacement(tmp_path):
         fault_record.write("lost 2", rank, env)
         fault_record.write("finished", rank, env)
     assert launch.fault_tolerant_status(1, str(tmp_path), 4) == 0
+    assert "rank(s) [2] were lost and excluded" in capsys.readouterr().err
+    for rank in (0, 1, 3):
+        fault_record.write("joined 4", rank, env)
+    assert launch.fault_tolerant_status(1, str(tmp_path), 4) == 0
+    assert ("training completed on 4 ranks; rank(s) [2] were lost and replaced by new "
+            "processes (launch rank(s) [4])") in capsys.readouterr().err
+
+
+def test_fault_records_of_a_planned_leave(tmp_path, capsys):
+    """A rank that left because the discovery script removed its host (exit 0, no finish
+    record) does not make the job fail; a rank that neither finished nor left does."""
+    env = {fault_record.VARIABLE: str(tmp_path)}
+    for rank in range(4):
+        fault_record.write("started", rank, env)
+    fault_record.write("left", 3, env)
+    for rank in (0, 1):
+        fault_record.write("finished", rank, env)
+    assert launch.fault_tolerant_status(1, str(tmp_path), 4) == 1  # rank 2: no record of an end
+    fault_record.write("finished", 2, env)
+    assert launch.fault_tolerant_status(1, str(tmp_path), 4) == 0
+    assert "rank(s) [3] left when the discovery script removed their hosts" in (
+        capsys.readouterr().err)

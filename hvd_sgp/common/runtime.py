@@ -415,6 +415,8 @@ def repair(realign: bool = True) -> WorldChange:
                                            f"{recovery.repair_deadline():.0f} s") from None
     lost = sorted(known - set(state.origins))
     fault_record.write("lost " + ",".join(map(str, lost)), state.origin)
+    if grown is not None:
+        fault_record.write("joined " + ",".join(map(str, grown.joined)), state.origin)
     if state.world.Get_rank() == 0:
         joined = (f"; {len(grown.joined)} replacement(s) joined (rank(s) "
                   f"{sorted(grown.ranks)}): back to {state.world.Get_size()} ranks"

@@ -405,10 +405,23 @@ def fault_tolerant_status(status: int, records: str, ranks: int) -> int:
         return status or 1
     if status == 0:
         return 0
-    print(f"sgprun: training completed on {len(verdict.finished)} ranks; rank(s) "
-          f"{sorted(verdict.lost)} were lost and excluded (mpirun's status {status} "
-          "counts them)", file=sys.stderr, flush=True)
+    print(f"sgprun: training completed on {len(verdict.finished)} ranks; "
+          f"{_what_happened(verdict)} (mpirun's status {status} counts them)",
+          file=sys.stderr, flush=True)
     return 0
+
+
+def _what_happened(verdict: fault_record.Verdict) -> str:
+    """The ranks that did not finish, and why, by launch rank."""
+    parts = []
+    if verdict.lost:
+        fate = (f"replaced by new processes (launch rank(s) {sorted(verdict.joined)})"
+                if verdict.joined else "excluded")
+        parts.append(f"rank(s) {sorted(verdict.lost)} were lost and {fate}")
+    if verdict.left:
+        parts.append(f"rank(s) {sorted(verdict.left)} left when the discovery script "
+                     "removed their hosts")
+    return "; ".join(parts)
 
 
 def run(command: Sequence[str], env: Mapping[str, str]) -> int:
