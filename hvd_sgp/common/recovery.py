@@ -229,6 +229,20 @@ def exclude_self(reason: str) -> None:
     leave()
 
 
+def leave_by_plan(reason: str) -> None:
+    """Leave the job with status 0 because the world no longer has a place for this rank (its
+    host was removed): the others have already formed their world without it. Without
+    MPI_Finalize, which would wait for the others' (ULFM reports the exit to nobody who
+    still communicates with this rank)."""
+    from hvd_sgp.common import runtime
+
+    print(on_rank(f"leaves the job: {reason}"), file=sys.stderr, flush=True)
+    fault_record.write("left", runtime.origin_rank())
+    sys.stdout.flush()
+    _status.stop.set()
+    os._exit(0)
+
+
 def leave() -> None:
     """Leave the job at once, without MPI_Finalize (which would wait for the others): ULFM
     reports this rank as failed and the survivors repair without it. By SIGKILL rather than a
