@@ -7,10 +7,14 @@ makes rank 0 rewrite the file after that step (``SPEC``: host:slots,...), as an 
 would, and the world follows at a later commit: every rank's reset callback prints the step it
 was interrupted at, newcomers print where they joined, and every entry of the training function
 checks that every rank holds the same parameters with PushSum weights summing to the world's
-size (the fold of a planned change, or the sync). ``--step-seconds`` paces the steps so that
-rank 0's poller (every second) sees a change before the run ends.
+size (the fold of a planned change, or the sync). ``--kill ORIGIN:STEP`` SIGKILLs the process
+launched (or spawned) as ORIGIN at that step: the survivors grow back to the discovered slots.
+``--step-seconds`` paces the steps so that rank 0's poller (every second) sees a change before
+the run ends.
 """
 import argparse
+import os
+import signal
 import time
 
 import torch
@@ -22,9 +26,11 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=30)
 parser.add_argument("--hosts-file", required=True)
 parser.add_argument("--change", action="append", default=[], metavar="STEP:SPEC")
+parser.add_argument("--kill", action="append", default=[], metavar="ORIGIN:STEP")
 parser.add_argument("--step-seconds", type=float, default=0.2)
 args = parser.parse_args()
 changes = {int(step): spec for step, spec in (item.split(":", 1) for item in args.change)}
+kills = {tuple(int(x) for x in item.split(":")) for item in args.kill}
 
 hvd.init()
 torch.set_num_threads(1)
@@ -68,6 +74,9 @@ def train(state):
     expect(abs(weights - hvd.size()) < 1e-9, f"weights sum {weights}, not {hvd.size()}")
     gen = torch.Generator().manual_seed(1000 * origin + state.step)
     while state.step < args.steps:
+        if (origin, state.step) in kills:
+            print(f"discovery: origin {origin} killed at step {state.step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         optimizer.zero_grad()
         x = torch.randn(8, 4, generator=gen)
         torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()

@@ -13,12 +13,13 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 
 import pytest
 
-from hvd_sgp.common import fault_record
+from hvd_sgp.common import discovery, fault_record
 from hvd_sgp.runner import launch
 from mpi_launch import HERE, REPO, run_mpi
 from test_runner import OPEN_MPI_5, HYDRA, command
@@ -169,6 +170,49 @@ def test_below_min_np_ends_with_a_clear_error_on_every_survivor():
     assert output.count(message) == 2, output[-4000:]
 
 
+# ------------------------------------------------------------------ host discovery
+def test_host_discovery_grows_shrinks_and_moves_rank_0(tmp_path):
+    """sgprun --host-discovery-script 'cat FILE', -np 2 on localhost:2; rank 0 rewrites the
+    file as an outside agent would. (1) localhost:2,H:3 (H: this machine's own name, which
+    PRRTE also runs locally): 5 slots capped by --max-np 4, two newcomers spawned on H. (2) The
+    newcomer launched 3 is SIGKILLed: a replacement grows the world back to 4 on H. (3) H:1:
+    the highest rank on H leaves with status 0, 3 ranks go on without a sync. (4) H:3,
+    localhost removed: ranks 0 and 1 leave, the rank on H becomes rank 0 (its poller takes
+    over), two newcomers fill H. Every change interrupts every rank at the same commit; every
+    entry holds one model and weights summing to the size; mpirun itself exits 0."""
+    here = socket.gethostname()
+    if here in ("localhost", "") or here.startswith("127."):
+        pytest.skip("needs a host name other than localhost that PRRTE runs locally")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    proc = sgprun(2, "elastic_discovery.py", "--steps", "34", "--hosts-file", str(hosts),
+                  "--change", f"5:localhost:2,{here}:3", "--kill", "3:10",
+                  "--change", f"18:localhost:2,{here}:1", "--change", f"26:{here}:3",
+                  flags=("--min-np", "2", "--max-np", "4", "--host-discovery-script",
+                         f"cat {hosts}"))
+    output = expect_passed(proc, f"finished on 3 ranks, origins by rank [2, 5, 6], hosts by "
+                                 f"rank {[here] * 3}")
+    assert "mpirun's status" not in output  # no rank ended badly, not even the leavers
+    changes = re.findall(r"hosts changed to (\S+): (.*); (\d) ranks go on after ([0-9.]+) s",
+                         output)
+    assert [(spec, what, int(n)) for spec, what, n, _ in changes] == [
+        (f"localhost:2,{here}:3", f"no rank left, 2 rank(s) joined on ['{here}']", 4),
+        (f"localhost:2,{here}:1", "rank(s) [4] left, no rank joined", 3),
+        (f"{here}:3", f"rank(s) [0, 1] left, 2 rank(s) joined on ['{here}']", 3)], output
+    assert "lost rank(s) [3]; 3 of 4 ranks go on; 1 replacement(s) joined" in output
+    assert output.count("leaves the job: the discovery script removed its host") == 3
+    resets = {}  # origin -> the steps of its resets, in order: (1), (2), (3), (4) as it saw them
+    for origin, step in re.findall(r"origin (\d+) reset at step (\d+)", output):
+        resets.setdefault(int(origin), []).append(int(step))
+    (one, _, three), (one_, _, three_), (_, three__, four) = (resets[0], resets[1], resets[2])
+    assert one == one_ and three == three_ == three__ and four > three, resets  # one commit
+    entries = re.findall(r"entry at step \d+ on (\d) ranks: parameters spread 0.0e\+00, "
+                         r"weights sum (\d)", output)
+    assert [size for size, weights in entries if size == weights] == ["2", "4", "4", "3", "3"]
+    print("host discovery: changes applied in " +
+          ", ".join(f"{float(seconds):.2f} s" for *_, seconds in changes))
+
+
 # ------------------------------------------------------------------ the elastic API
 def digits(n: int, *args: str, fault_tolerant: bool = True, env: dict | None = None):
     script = str(REPO / "examples" / "elastic_digits.py")
@@ -311,3 +355,75 @@ def test_fault_records_of_a_planned_leave(tmp_path, capsys):
     assert launch.fault_tolerant_status(1, str(tmp_path), 4) == 0
     assert "rank(s) [3] left when the discovery script removed their hosts" in (
         capsys.readouterr().err)
+
+
+def test_discovery_script_output_and_errors():
+    """horovodrun's format: host:slots lines, host alone with --slots-per-host; a clear error
+    naming the script for anything else, for a failing script and a missing slot count."""
+    assert discovery.parse("a:2\n\nb:1\n", None, "s") == [("a", 2), ("b", 1)]
+    assert discovery.parse("a\nb:3\n", 4, "s") == [("a", 4), ("b", 3)]
+    for text, problem in (("a\n", "without a slot count"), ("a:0\n", "positive integer"),
+                          ("a:2\na:3\n", "twice"), ("a b:2\n", "expected host:slots")):
+        with pytest.raises(discovery.DiscoveryError, match=problem):
+            discovery.parse(text, None, "the script")
+    with pytest.raises(discovery.DiscoveryError, match=r"exit 3' exited with status 3 \(oops\)"):
+        discovery.run_script("echo oops >&2; exit 3", None)
+    assert discovery.run_script("printf 'x:1\\ny:2\\n'", None) == [("x", 1), ("y", 2)]
+    assert discovery.assign([("a", 2), ("b", 3)], 4) == ["a", "a", "b", "b"]
+    assert discovery.merged_order([("a", 1), ("b", 1)], [("c", 1), ("b", 2)]) == [("b", 2),
+                                                                                   ("c", 1)]
+
+
+def test_sgprun_discovers_hosts_before_the_launch():
+    """sgprun waits (polling at the interval) until the script gives -np slots, then launches
+    on all of them, at most --max-np, and hands the ranks what it found; it refuses -H with a
+    script, and gives up after --elastic-timeout with what it found."""
+    found = iter([[("a", 1)], [("a", 1), ("b", 4)]])
+    clock, slept = [0.0], []
+
+    def sleep(seconds):
+        slept.append(seconds)
+        clock[0] += seconds
+
+    args = launch.parse_args(["-np", "2", "--max-np", "4", "--host-discovery-script", "s.sh",
+                              "python", "x"])
+    assert args.fault_tolerant  # as --min-np/--max-np, the script makes the run elastic
+    hosts = launch.discover(args, {}, run=lambda *_: next(found), sleep=sleep,
+                            clock=lambda: clock[0])
+    assert hosts == "a:1,b:4" and slept == [1.0]
+    assert args.np == 4 and [(h.name, h.slots) for h in args.hosts] == [("a", 1), ("b", 4)]
+    cmd = command(["-np", "2", "--fault-tolerant", "python", "x"])
+    assert "state_base_recoverable" in cmd  # spawned jobs survive a lost or leaving process
+    args = launch.parse_args(["-np", "3", "--host-discovery-script", "s", "--elastic-timeout",
+                              "5", "python"])
+    with pytest.raises(launch.LaunchError, match=r"found 1 slots \(a:1\) and not the 3 of -np "
+                                                 r"within --elastic-timeout 5 s"):
+        launch.discover(args, {}, run=lambda *_: [("a", 1)], sleep=sleep,
+                        clock=lambda: clock[0])
+    args = launch.parse_args(["-np", "2", "-H", "a:2", "--host-discovery-script", "s", "x"])
+    with pytest.raises(launch.LaunchError, match="drop -H/--hostfile"):
+        launch.discover(args, {})
+    assert launch.main(["-np", "1", "--host-discovery-script", "exit 4", "python", "x"]) == 2
+
+
+def test_resize_plan_keeps_ranks_and_fills_free_slots(monkeypatch):
+    """Who leaves and who comes when the hosts change, worked out alike on every rank: a rank
+    stays while its host has a slot for it (the highest ranks of a host leave first), the
+    ranks that stay keep their order, newcomers fill free slots in host order up to
+    HVD_SGP_MAX_NP and take the seats after them."""
+    from types import SimpleNamespace
+
+    from hvd_sgp.common import runtime
+
+    monkeypatch.setenv("HVD_SGP_MAX_NP", "4")
+    world = SimpleNamespace(origins=[0, 1, 2, 3], hosts=["a", "a", "b", "b"], next_origin=4)
+    plan = runtime._resize_plan(world, [("a", 2), ("b", 1)])
+    assert plan["leaving"] == [3] and plan["newcomers"] == []
+    plan = runtime._resize_plan(world, [("b", 3), ("c", 2)])
+    assert plan["leaving"] == [0, 1]
+    assert [(o, slot, host) for o, slot, _, host in plan["newcomers"]] == [(4, 2, "b"),
+                                                                           (5, 3, "c")]
+    assert plan["slots"] == {2: 0, 3: 1, 4: 2, 5: 3}
+    monkeypatch.delenv("HVD_SGP_MAX_NP")
+    plan = runtime._resize_plan(world, [("a", 2), ("b", 2), ("c", 2)])
+    assert plan["leaving"] == [] and len(plan["newcomers"]) == 2  # no --max-np: every slot
