@@ -154,6 +154,31 @@ def test_grow_back_twice_in_two_rank_nodes_rank_0_lost():
           f"{kill_to_back(output, 3):.2f} s")
 
 
+def test_grow_back_at_8_ranks_replaces_a_replacement():
+    """8 ranks in two-rank nodes: rank 5 dies (os._exit) at step 4, its replacement (launch
+    rank 8) is SIGKILLed at step 10 and replaced in turn (launch rank 9, same seat and node);
+    the job ends on 8 ranks with every node whole, weights summing to 8, exit status 0."""
+    proc = grow(8, "2", "--kill", "5:4", "--kill", "8:10", flags=("--max-np", "8"))
+    output = expect_passed(proc, "grow checks passed on 8 ranks")
+    assert "replacement origin 8 started" in output and "replacement origin 9 started" in output
+    assert "origins by rank [0, 1, 2, 3, 4, 9, 6, 7]" in output, output[-3000:]
+    assert "(0, 2, 2), (1, 2, 2)" in output  # rank 5's node has its two ranks again
+    assert "were lost and replaced by new processes (launch rank(s) [8, 9])" in output
+    print(f"grow back at 8 ranks: kill to the first step on 8 ranks "
+          f"{kill_to_back(output, 5):.2f} s (os._exit), {kill_to_back(output, 8):.2f} s "
+          f"(SIGKILL of the replacement)")
+
+
+def test_keras_grow_back():
+    """The Keras script in Horovod's elastic shape under --max-np 4: rank 2 is SIGKILLed at
+    epoch 1, a replacement runs the script from the top and joins (its first fit step meets
+    the survivors' reset step, as in Horovod's Keras example); 4 ranks finish, exit 0."""
+    proc = sgprun(4, "elastic_horovod_keras.py", "--kill-rank", "2", "--sigkill", "--epochs",
+                  "2", flags=("--max-np", "4"), timeout=600)
+    output = expect_passed(proc, "trained on 4 ranks (launch ranks [0, 1, 4, 3]); epoch state 2")
+    assert "1 replacement(s) joined (rank(s) [2]): back to 4 ranks" in output
+
+
 def test_plain_script_with_max_np_goes_on_smaller_and_says_why():
     """Without hvd.elastic.run there is no step boundary for a replacement to join at."""
     proc = sgprun(4, "elastic_checks.py", "check_sync_sgp_ledger", flags=("--max-np", "4"))

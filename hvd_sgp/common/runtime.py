@@ -17,6 +17,7 @@ import atexit
 import functools
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -117,11 +118,14 @@ def init(comm: Optional[MPI.Comm] = None) -> None:
     global _state
     if _state is not None:
         return
+    guarded = _join_guard()
     if not MPI.Is_initialized():
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
     parent = MPI.Comm.Get_parent() if comm is None else MPI.COMM_NULL
     if parent != MPI.COMM_NULL:  # a replacement, spawned by the survivors' repair
         _state = _arrive(parent)
+        if guarded:
+            signal.alarm(0)
     else:
         world = (MPI.COMM_WORLD if comm is None else comm).Dup()
         discovered = _discovered_at_launch()
@@ -446,10 +450,13 @@ def repair(realign: bool = True) -> WorldChange:
                         attempts += 1
                         grown = _grow(state, _plan(state, seats), known, seats)
                 break
-            except PeerLostError:
+            except PeerLostError as error:
                 if time.monotonic() > deadline:
                     raise PeerTimeoutError(f"the world could not be repaired within "
                                            f"{recovery.repair_deadline():.0f} s") from None
+                if state.world.Get_rank() == 0:
+                    print(f"hvd_sgp: the repair starts over: {error}", file=sys.stderr,
+                          flush=True)
     lost = sorted(known - set(state.origins))
     fault_record.write("lost " + ",".join(map(str, lost)), state.origin)
     if grown is not None:
@@ -595,26 +602,28 @@ def _grow(state: _State, plan: dict, known: set, seats: dict) -> Optional[WorldC
     who goes where (``_plan`` after a failure, ``_resize_plan`` after a change of hosts)."""
     count = len(plan["newcomers"])
     infos = _spawn_infos(state, [host for _, _, _, host in plan["newcomers"]])
-    try:
-        inter = state.world.Spawn_multiple([sys.executable] * count, [sys.orig_argv[1:]] * count,
-                                           [1] * count, infos, root=0)
-    except MPI.Exception as error:
-        if recovery.is_failure(error):
-            raise
-        if state.world.Get_rank() == 0:
-            print(f"hvd_sgp: could not start {count} new process(es) "
-                  f"({error.Get_error_string()}); {state.world.Get_size()} ranks go on",
-                  file=sys.stderr, flush=True)
-        return None
-    finally:
-        for info in infos:
-            info.Free()
-    track(inter)
-    try:
-        merged = inter.Merge(high=False)
-    finally:
-        untrack(inter)
-        inter.Disconnect()  # (with the replacements' parent.Disconnect(): see _arrive)
+    with recovery.spawning():
+        try:
+            inter = state.world.Spawn_multiple([sys.executable] * count,
+                                               [sys.orig_argv[1:]] * count, [1] * count, infos,
+                                               root=0)
+        except MPI.Exception as error:
+            if recovery.is_failure(error):
+                raise
+            if state.world.Get_rank() == 0:
+                print(f"hvd_sgp: could not start {count} new process(es) "
+                      f"({error.Get_error_string()}); {state.world.Get_size()} ranks go on",
+                      file=sys.stderr, flush=True)
+            return None
+        finally:
+            for info in infos:
+                info.Free()
+        track(inter)
+        try:
+            merged = inter.Merge(high=False)
+        finally:
+            untrack(inter)
+            inter.Disconnect()  # (with the replacements' parent.Disconnect(): see _arrive)
     size_before = state.world.Get_size()
     state.allocated |= {host for _, _, _, host in plan["newcomers"] if host is not None}
     merged.bcast(dict(plan, hosts=(state.discovered, state.allocated)), root=0)
@@ -764,15 +773,23 @@ def _settle(merged: MPI.Comm, plan: dict, origin: int, node: Any,
     return world, local, cross, entries
 
 
+def _join_guard() -> bool:
+    """On a process spawned by a grow (Open MPI sets OMPI_PARENT_PORT before MPI starts), in
+    fault-tolerant mode: an alarm that ends it (SIGALRM, default action) when MPI_Init and the
+    join (``_arrive``) have not completed within the repair's deadline. MPI_Init never returns
+    when a survivor dies during the spawn, and holds the GIL: a Python timer could not act."""
+    if "OMPI_PARENT_PORT" not in os.environ or not options.from_environment("fault_tolerant"):
+        return False
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(int(recovery.repair_deadline()))
+    return True
+
+
 def _arrive(parent: MPI.Comm) -> _State:
     """A replacement's init(): merge with the survivors that spawned it, take the seat their
     plan gives (``_grow``), and form the nodes with them. A failure on the way (a survivor
     lost meanwhile) ends this process, and the survivors repair without it; so does a join
-    that has not completed within the repair's deadline."""
-    guard = threading.Timer(recovery.repair_deadline(), recovery.exclude_self,
-                            ("this replacement could not join the job in time",))
-    guard.daemon = True
-    guard.start()
+    that has not completed within the repair's deadline (``_join_guard``)."""
     try:
         parent.Set_errhandler(MPI.ERRORS_RETURN)
         merged = parent.Merge(high=True)
@@ -789,8 +806,6 @@ def _arrive(parent: MPI.Comm) -> _State:
     except MPI.Exception as error:
         recovery.exclude_self(f"this replacement could not join the job "
                               f"({error.Get_error_string()})")
-    finally:
-        guard.cancel()
     state = _State(world, local, cross, MPI.Query_thread(), node, origin, entries, host)
     state.discovered, state.allocated = plan["hosts"]
     state.next_origin = plan["next_origin"]
