@@ -9,7 +9,7 @@ of them, and with HVD_SGP_MAX_NP fresh ones spawned for the lost; ``hvd.size()``
 ``train`` again. With host discovery, ``state.commit()`` raises HostsUpdatedInterrupt on
 every rank at the same commit when the hosts changed; the loop then lays the world out for
 them (runtime.resize: ranks on removed hosts leave with status 0, newcomers are spawned on
-added ones), calls the reset callbacks, syncs unless hosts were only removed (Horovod's
+added ones), calls the reset callbacks, syncs unless ranks only left (Horovod's
 ``skip_sync``) and calls ``train`` again, without a recovery. Without fault tolerance a lost
 rank still ends the job (its error is a PeerTimeoutError, not a HorovodInternalError), and
 the loop costs nothing.
@@ -57,8 +57,8 @@ class State:
     def check_host_updates(self) -> None:
         """Raise HostsUpdatedInterrupt on every rank at once when the discovery script's hosts
         changed (rank 0's latest result is broadcast: one small collective per call).
-        ``skip_sync`` when hosts were only removed, as Horovod's: the ranks that stay hold
-        the same state. Without host discovery nothing changes the world but a failure
+        ``skip_sync`` when ranks only leave (Horovod's: when hosts were only removed): the
+        ranks that stay hold the same state, and no newcomer waits for a sync. Without host discovery nothing changes the world but a failure
         (HorovodInternalError), and nothing is communicated."""
         if not runtime.is_initialized() or not runtime.discovering():
             return
