@@ -6,9 +6,13 @@ survivor; the loop then repairs the world in place (runtime.repair: the same pro
 of them, and with HVD_SGP_MAX_NP fresh ones spawned for the lost; ``hvd.size()`` and
 ``hvd.rank()`` report the new world), recovers the state, calls the reset callbacks, syncs
 (a replacement, running the script from the top, joins here, at its first sync) and calls
-``train`` again. HostsUpdatedInterrupt does the same
-without a repair or a recovery. Without fault tolerance a lost rank still ends the job (its
-error is a PeerTimeoutError, not a HorovodInternalError), and the loop costs nothing.
+``train`` again. With host discovery, ``state.commit()`` raises HostsUpdatedInterrupt on
+every rank at the same commit when the hosts changed; the loop then lays the world out for
+them (runtime.resize: ranks on removed hosts leave with status 0, newcomers are spawned on
+added ones), calls the reset callbacks, syncs unless ranks only left (Horovod's
+``skip_sync``) and calls ``train`` again, without a recovery. Without fault tolerance a lost
+rank still ends the job (its error is a PeerTimeoutError, not a HorovodInternalError), and
+the loop costs nothing.
 
 Recovery: Horovod reloads the last commit. For SGP that throws away the steps since the
 commit although the repair has just folded the survivors' models into their exact average,
@@ -21,7 +25,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Iterable, Optional
 
-from hvd_sgp.common import options, recovery, runtime
+from hvd_sgp.common import discovery, options, recovery, runtime
 from hvd_sgp.common.errors import (HorovodInternalError, HostsUpdatedInterrupt, PeerLostError,
                                    PeerTimeoutError)
 
@@ -51,10 +55,16 @@ class State:
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
-        """Raise HostsUpdatedInterrupt when hosts were added or removed. hvd_sgp's world
-        changes only after a failure, which surfaces as HorovodInternalError (replacements
-        join inside that repair), so there is never an update to announce here and no
-        communication is spent on asking."""
+        """Raise HostsUpdatedInterrupt on every rank at once when the discovery script's hosts
+        changed (rank 0's latest result is broadcast: one small collective per call).
+        ``skip_sync`` when ranks only leave (Horovod's: when hosts were only removed): the
+        ranks that stay hold the same state, and no newcomer waits for a sync. Without host discovery nothing changes the world but a failure
+        (HorovodInternalError), and nothing is communicated."""
+        if not runtime.is_initialized() or not runtime.discovering():
+            return
+        change = runtime.hosts_changed(self._bcast_object(_latest_hosts()))
+        if change:
+            raise HostsUpdatedInterrupt(skip_sync=change == discovery.REMOVED)
 
     def save(self) -> None:
         raise NotImplementedError
@@ -172,6 +182,17 @@ class HandledState(ObjectState):
         super().sync()
 
 
+def _latest_hosts() -> Optional[list]:
+    """On the world's rank 0, the discovery script's latest hosts (its poller starts on first
+    call, and stops on a process that is no longer rank 0); None elsewhere."""
+    if runtime.rank() != 0:
+        discovery.stop_polling()
+        return None
+    return discovery.poll(options.from_environment("host_discovery_script"),
+                          options.from_environment("slots_per_host"),
+                          options.from_environment("discovery_interval")).latest()
+
+
 def keeps_parameters() -> bool:
     """After a lost rank, models and optimizers keep their repaired values (the default,
     HVD_SGP_ELASTIC_RESTORE=keep) rather than reload the commit."""
@@ -211,6 +232,10 @@ def run_fn(func: Callable[..., Any],
                     if repair:
                         runtime.repair(realign=False)
                         repair = False
+                    if runtime.is_initialized() and runtime.resize_pending():
+                        if runtime.resize():
+                            recovery.leave_by_plan(f"the discovery script removed its host "
+                                                   f"{runtime.host()!r} or slot")
                     if recover:
                         state.recover()
                         recover = False
@@ -226,5 +251,5 @@ def run_fn(func: Callable[..., Any],
                     repair = recover = reset = True
                     skip_sync = False
                 except HostsUpdatedInterrupt as interrupt:
-                    reset, skip_sync = True, interrupt.skip_sync
+                    reset, skip_sync = True, interrupt.skip_sync  # (resize: at the loop's top)
     return wrapper

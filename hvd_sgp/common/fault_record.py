@@ -3,8 +3,10 @@
 mpirun reports a non-zero status when a rank that the survivors excluded exited non-zero (a
 crashed worker), even though training completed. Under ``sgprun --fault-tolerant`` every rank
 appends one-line events to its own file in a directory named by ``HVD_SGP_FAULT_RECORD``:
-``started``, ``lost <ranks>`` (written by the survivors' rank 0 after a repair), ``failed``
-(an uncaught exception) and ``finished`` (normal interpreter exit). ``verdict`` reads them back.
+``started``, ``lost <ranks>`` (written by the survivors after a repair), ``joined <ranks>``
+(replacements or newcomers taken in, by their launch ranks), ``left`` (a rank whose host the
+discovery script removed, leaving by plan), ``failed`` (an uncaught exception) and ``finished``
+(normal interpreter exit). ``verdict`` reads them back.
 No MPI here: the launcher imports it.
 """
 from __future__ import annotations
@@ -30,19 +32,22 @@ def write(event: str, rank: int, environ: Optional[dict] = None) -> None:
 
 @dataclass
 class Verdict:
-    """What the records say: the ranks that started, finished, failed, and were lost."""
+    """What the records say: the ranks that started, finished, failed, were lost, joined
+    later (spawned), and left by plan."""
 
     started: set = field(default_factory=set)
     finished: set = field(default_factory=set)
     failed: set = field(default_factory=set)
     lost: set = field(default_factory=set)
+    joined: set = field(default_factory=set)
+    left: set = field(default_factory=set)
 
     @property
     def completed(self) -> bool:
         """Training completed: some rank finished, and every rank that did not finish, or
-        failed, is one the survivors excluded."""
+        failed, is one the survivors excluded or one that left by plan."""
         return (bool(self.finished) and not (self.failed - self.lost)
-                and self.started <= self.finished | self.lost)
+                and self.started <= self.finished | self.lost | self.left)
 
 
 def verdict(directory: str) -> Verdict:
@@ -55,8 +60,8 @@ def verdict(directory: str) -> Verdict:
         with open(os.path.join(directory, name), encoding="utf-8") as handle:
             for line in handle:
                 event, _, rest = line.strip().partition(" ")
-                if event == "lost":
-                    result.lost.update(int(r) for r in rest.split(",") if r)
-                elif event in ("started", "finished", "failed"):
+                if event in ("lost", "joined"):
+                    getattr(result, event).update(int(r) for r in rest.split(",") if r)
+                elif event in ("started", "finished", "failed", "left"):
                     getattr(result, event).add(rank)
     return result

@@ -122,6 +122,17 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_np", int, None, "fault-tolerant: replace lost ranks with fresh processes "
            "(MPI_Comm_spawn, under hvd.elastic.run) until the world has this many again",
            minimum=1, keyword=False, aliases=("--max-num-proc",)),
+    Option("host_discovery_script", str, None, "fault-tolerant: a command printing the "
+           "hosts that may run ranks, one host:slots line each (horovodrun's); sgprun starts "
+           "on what it finds, rank 0 runs it again every discovery_interval and the world "
+           "grows or shrinks to it at a state.commit()", keyword=False, metavar="COMMAND"),
+    Option("slots_per_host", int, None, "slots of a host the discovery script prints "
+           "without :slots", minimum=1, keyword=False),
+    Option("discovery_interval", float, 1.0, "seconds between runs of the discovery script "
+           "(Horovod's period)", above=0, keyword=False),
+    Option("elastic_timeout", float, 600.0, "seconds sgprun waits for the discovery script "
+           "to find -np slots before it gives up (Horovod's HOROVOD_ELASTIC_TIMEOUT)",
+           above=0, keyword=False),
     Option("detector_timeout", float, 8.0, "fault-tolerant: seconds of silence before ULFM "
            "declares a rank dead", minimum=0.1, keyword=False),
     Option("elastic_restore", str, "keep", "after a lost rank, hvd.elastic.run keeps the "

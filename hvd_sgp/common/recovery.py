@@ -51,6 +51,7 @@ class _Status:
         self.timeout = 300.0
         self.elastic_depth = 0  # > 0 while hvd.elastic.run runs the training function
         self.repairing: Optional[float] = None  # the deadline of the repair under way
+        self.spawning = False  # inside a grow's MPI_Comm_spawn and merge (runtime._grow)
         self.failure_noticed = False  # set when PeerLostError is raised, cleared by a repair
         self.repairs = 0  # completed repairs of the world
         self.replacement = False  # this process replaced a lost rank (runtime._arrive)
@@ -165,6 +166,21 @@ def repairing(deadline: float) -> Iterator[None]:
         _status.repairing = None
 
 
+@contextlib.contextmanager
+def spawning() -> Iterator[None]:
+    """Around a grow's MPI_Comm_spawn and intercommunicator merge: when another rank revokes
+    the world meanwhile (a peer lost during the grow), Open MPI 5.0's spawn does not return on
+    the spawning rank (its connect with the new processes waits for the dead peer) while the
+    others fail and begin the repair again; the watchdog then ends this rank after the
+    detector's timeout, so that the others repair without it rather than wait for it until
+    the repair's deadline."""
+    _status.spawning = True
+    try:
+        yield
+    finally:
+        _status.spawning = False
+
+
 def repair_deadline() -> float:
     """Seconds a repair may take: a silent rank excludes itself after HVD_SGP_TIMEOUT, then
     ULFM needs its detector timeout to report it."""
@@ -180,12 +196,20 @@ def arrived() -> None:
 # --- the silent rank excludes itself --------------------------------------------------------
 def _watch(world_revoked: Callable[[], bool]) -> None:
     revoked_since: Optional[float] = None
+    stuck_since: Optional[float] = None  # the world revoked under a spawn (see spawning)
+    grace = float(options.from_environment("detector_timeout"))
     while not _status.stop.wait(HEARTBEAT_SECONDS):
         MPI.COMM_SELF.Iprobe()  # progress: ULFM's detector sends its heartbeats
         deadline = _status.repairing
         if deadline is not None and time.monotonic() > deadline:
             exclude_self(f"the repair of the world did not complete within "
                          f"{repair_deadline():.0f} s: this rank gives up and exits")
+        stuck_since = (stuck_since or time.monotonic()) if _revoked_under_spawn(
+            world_revoked) else None
+        if stuck_since is not None and time.monotonic() - stuck_since > grace:
+            exclude_self("a peer was lost while this rank started new processes, and "
+                         "MPI_Comm_spawn does not return after that: this rank leaves so that "
+                         "the others repair without it")
         try:
             revoked = deadline is None and world_revoked()
         except Exception:  # noqa: BLE001  (the world is being replaced or MPI is finalized)
@@ -198,6 +222,13 @@ def _watch(world_revoked: Callable[[], bool]) -> None:
             exclude_self(f"the other ranks began repairing the world after a lost peer, and "
                          f"this rank did not join within HVD_SGP_TIMEOUT={_status.timeout:g} s "
                          "(frozen or silent): it is excluded and exits")
+
+
+def _revoked_under_spawn(world_revoked: Callable[[], bool]) -> bool:
+    try:
+        return _status.spawning and world_revoked()
+    except Exception:  # noqa: BLE001  (the world is being replaced)
+        return False
 
 
 def _finalize() -> None:
@@ -227,6 +258,20 @@ def exclude_self(reason: str) -> None:
     """Say why, then leave (see leave)."""
     print(on_rank(reason), file=sys.stderr, flush=True)
     leave()
+
+
+def leave_by_plan(reason: str) -> None:
+    """Leave the job with status 0 because the world no longer has a place for this rank (its
+    host was removed): the others have already formed their world without it. Without
+    MPI_Finalize, which would wait for the others' (ULFM reports the exit to nobody who
+    still communicates with this rank)."""
+    from hvd_sgp.common import runtime
+
+    print(on_rank(f"leaves the job: {reason}"), file=sys.stderr, flush=True)
+    fault_record.write("left", runtime.origin_rank())
+    sys.stdout.flush()
+    _status.stop.set()
+    os._exit(0)
 
 
 def leave() -> None:

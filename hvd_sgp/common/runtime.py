@@ -17,6 +17,7 @@ import atexit
 import functools
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -24,7 +25,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from hvd_sgp.common import fault_record, options, recovery
+from hvd_sgp.common import discovery, fault_record, options, recovery
 from hvd_sgp.common.errors import (NotInitializedError, OptionError, PeerLostError,
                                    PeerTimeoutError, SgpError, SgpValueError)
 from hvd_sgp.common.mpi import MPI
@@ -65,14 +66,21 @@ def detect_launcher(environ: Optional[dict] = None) -> Launcher:
 
 class _State:
     def __init__(self, world: MPI.Comm, local: MPI.Comm, cross: MPI.Comm, thread_level: int,
-                 node: Any, origin: int, entries: list):
+                 node: Any, origin: int, entries: list, host: str):
         self.world = world
         self.local = local
         self.cross = cross
         self.thread_level = thread_level
         self.origin = origin  # the rank at init (a replacement's: new): names a rank for good
         self.node = node  # what makes ranks one node: HVD_SGP_LOCAL_SIZE group or host name
+        self.host = host  # the host as the launcher names it (see _host)
         self.replacement = False  # spawned by a repair to replace a lost rank (_arrive)
+        # Host discovery (sgprun --host-discovery-script), alike on every rank: the hosts the
+        # world is laid out for, a change agreed at a commit and not yet applied (resize), and
+        # the hosts the MPI runtime knows (others are added when a rank is spawned there).
+        self.discovered: Optional[list] = None
+        self.pending: Optional[list] = None
+        self.allocated: set = set()
         self.remember(entries)
 
     def remember(self, entries: list) -> None:
@@ -110,21 +118,46 @@ def init(comm: Optional[MPI.Comm] = None) -> None:
     global _state
     if _state is not None:
         return
+    guarded = _join_guard()
     if not MPI.Is_initialized():
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
     parent = MPI.Comm.Get_parent() if comm is None else MPI.COMM_NULL
     if parent != MPI.COMM_NULL:  # a replacement, spawned by the survivors' repair
         _state = _arrive(parent)
+        if guarded:
+            signal.alarm(0)
     else:
         world = (MPI.COMM_WORLD if comm is None else comm).Dup()
+        discovered = _discovered_at_launch()
         local, node = _local_split(world)
         parts = _layout(world, local)
-        entries = [(r, n, h) for r, (n, h) in
-                   enumerate(world.allgather((node, MPI.Get_processor_name())))]
+        host = (MPI.Get_processor_name() if discovered is None else
+                discovery.assign(discovered, world.Get_size())[world.Get_rank()])
+        entries = [(r, n, h) for r, (n, h) in enumerate(world.allgather((node, host)))]
         _state = _State(world, local, parts.cross, MPI.Query_thread(), node, world.Get_rank(),
-                        entries)
+                        entries, host)
+        if discovered is not None:
+            _state.discovered = discovered
+            _state.allocated = {name for name, _ in discovered}
     recovery.configure(_world_revoked, _state.origin)
     _abort_on_uncaught_errors()
+
+
+def _discovered_at_launch() -> Optional[list]:
+    """The hosts sgprun's discovery script found (HVD_SGP_DISCOVERED_HOSTS), or None without
+    host discovery. A rank's host is then the one ``mpirun -H ... --map-by slot`` put it on
+    (discovery.assign), as the script names it."""
+    text = os.environ.get(discovery.VARIABLE, "").strip()
+    if not text:
+        if options.from_environment("host_discovery_script"):
+            raise OptionError("HVD_SGP_HOST_DISCOVERY_SCRIPT is set, but the hosts were not "
+                              "discovered at launch: start the job with 'sgprun "
+                              "--host-discovery-script SCRIPT ...'")
+        return None
+    try:
+        return discovery.decode(text)
+    except discovery.DiscoveryError as error:
+        raise OptionError(str(error)) from None
 
 
 @dataclass(frozen=True)
@@ -216,6 +249,12 @@ def origin_rank() -> int:
 
 def size() -> int:
     return _require().world.Get_size()
+
+
+def host() -> str:
+    """This rank's host as the launcher names it: the discovery script's name with host
+    discovery, MPI's processor name otherwise."""
+    return _require().host
 
 
 def replacement() -> bool:
@@ -385,9 +424,10 @@ def repair(realign: bool = True) -> WorldChange:
     3. Re-form the nodes and the cross-node communicators (``_regroup``).
     4. Call the ``on_world_change`` subscribers (optimizers rebuild their graph and fold their
        PushSum state).
-    5. With HVD_SGP_MAX_NP, outside a step (``realign`` False: hvd.elastic.run's repair, the
-       step boundary where Horovod adds hosts), spawn replacements and take them in
-       (``_grow``). A failure during 2-5 starts over at 1.
+    5. With HVD_SGP_MAX_NP (or host discovery), outside a step (``realign`` False:
+       hvd.elastic.run's repair, the step boundary where Horovod adds hosts), spawn
+       replacements and take them in (``_grow``); not while a change of hosts waits, whose
+       ``resize`` places the newcomers. A failure during 2-5 starts over at 1.
     Fewer survivors than HVD_SGP_MIN_NP end the job with an SgpError on every survivor.
     """
     state = _require()
@@ -405,16 +445,22 @@ def repair(realign: bool = True) -> WorldChange:
                     change = _rebuild(state, known, realign)
                     survivors = change.world.Get_size()
                     _notify(change)
-                    if not realign and attempts < 3 and _missing(state) > 0:
+                    if (not realign and attempts < 3 and state.pending is None
+                            and _missing(state) > 0):
                         attempts += 1
-                        grown = _grow(state, seats, known)
+                        grown = _grow(state, _plan(state, seats), known, seats)
                 break
-            except PeerLostError:
+            except PeerLostError as error:
                 if time.monotonic() > deadline:
                     raise PeerTimeoutError(f"the world could not be repaired within "
                                            f"{recovery.repair_deadline():.0f} s") from None
+                if state.world.Get_rank() == 0:
+                    print(f"hvd_sgp: the repair starts over: {error}", file=sys.stderr,
+                          flush=True)
     lost = sorted(known - set(state.origins))
     fault_record.write("lost " + ",".join(map(str, lost)), state.origin)
+    if grown is not None:
+        fault_record.write("joined " + ",".join(map(str, grown.joined)), state.origin)
     if state.world.Get_rank() == 0:
         joined = (f"; {len(grown.joined)} replacement(s) joined (rank(s) "
                   f"{sorted(grown.ranks)}): back to {state.world.Get_size()} ranks"
@@ -437,13 +483,16 @@ _said = [False]  # the plain-script note on HVD_SGP_MAX_NP, printed once
 def _rebuild(state: _State, known: set, realign: bool) -> WorldChange:
     size_before = state.world.Get_size()
     survivors = state.world.Shrink()  # (Ishrink fails on a revoked world in Open MPI 5.0)
-    entries = survivors.allgather((state.origin, state.node, MPI.Get_processor_name()))
+    entries = survivors.allgather((state.origin, state.node, state.host))
     known.update(state.origins)  # replacements taken in by an attempt that failed later
     lost = tuple(sorted(known - {origin for origin, _, _ in entries}))
     minimum = options.from_environment("min_np")
     if survivors.Get_size() < minimum:
         raise SgpError(f"only {survivors.Get_size()} ranks survive (lost {list(lost)}), fewer "
                        f"than HVD_SGP_MIN_NP={minimum}: the job ends")
+    if state.discovered is not None:  # a failure may have cut a change of hosts short
+        state.discovered, state.pending, state.allocated = survivors.bcast(
+            (state.discovered, state.pending, state.allocated), root=0)
     local, cross = _regroup(survivors, [(origin, node) for origin, node, _ in entries])
     _install(state, survivors, local, cross, entries)
     return WorldChange(survivors, local, cross, lost, size_before, realign)
@@ -460,9 +509,19 @@ def _install(state: _State, world: MPI.Comm, local: MPI.Comm, cross: MPI.Comm,
 
 
 # --- growing back: replacements for the lost ranks ------------------------------------------
-def _missing(state: _State) -> int:
-    """How many ranks the world lacks to be HVD_SGP_MAX_NP again (0 without it)."""
+def _target(state: _State) -> Optional[int]:
+    """The world's size to grow back to: HVD_SGP_MAX_NP, and with host discovery at most the
+    discovered slots (all of them without HVD_SGP_MAX_NP, as Horovod's); None: no growing."""
     target = options.from_environment("max_np")
+    if state.discovered is not None:
+        slots = discovery.total(state.discovered)
+        target = slots if target is None else min(target, slots)
+    return target
+
+
+def _missing(state: _State) -> int:
+    """How many ranks the world lacks to be its target size again (0 without one)."""
+    target = _target(state)
     return 0 if target is None else max(0, target - state.world.Get_size())
 
 
@@ -508,52 +567,67 @@ def _plan(state: _State, seats: dict) -> dict:
             "next_origin": state.next_origin + len(newcomers)}
 
 
-def _spawn_info(host: Optional[str]) -> MPI.Info:
-    """Where a replacement starts: on the lost rank's host, in its place (the dead process's
-    slot is not freed by Open MPI's runtime, hence the oversubscription)."""
-    info = MPI.Info.Create()
-    info.Set("map_by", ":OVERSUBSCRIBE")
-    info.Set("wdir", os.getcwd())
-    if host is not None:
-        info.Set("host", host)
-    return info
+def _spawn_infos(state: _State, hosts: list) -> list:
+    """Where each new process starts (one MPI_Info per process): on the lost rank's host, in
+    its place (the dead process's slot is not freed by Open MPI's runtime, hence the
+    oversubscription), or on a host the discovery script named. A discovered host the runtime
+    does not know yet is added to its allocation once (PMIX_ADD_HOST, with the host's
+    discovered slots: PRRTE starts a daemon there). The mapping policy is one directive for
+    the whole spawn: Open MPI 5.0 refuses it repeated in a second MPI_Info ("conflicting
+    directives"), so only the first carries it."""
+    infos, adding = [], set()
+    for index, host in enumerate(hosts):
+        info = MPI.Info.Create()
+        if index == 0:
+            info.Set("map_by", ":OVERSUBSCRIBE")
+        info.Set("wdir", os.getcwd())
+        if host is not None:
+            info.Set("host", host)
+            if (state.discovered is not None and host not in state.allocated
+                    and host not in adding):
+                adding.add(host)
+                info.Set("PMIX_ADD_HOST", f"{host}:{dict(state.discovered).get(host, 1)}")
+        infos.append(info)
+    return infos
 
 
-def _grow(state: _State, seats: dict, known: set) -> Optional[WorldChange]:
+def _grow(state: _State, plan: dict, known: set, seats: dict) -> Optional[WorldChange]:
     """Spawn replacements for the lost ranks (MPI_Comm_spawn_multiple from the survivors, the
     same program and arguments, one process per lost rank's host) and merge them in. The
     replacement's side is ``_arrive``: both end in ``_settle``. The subscribers are called
     with ``joined`` set and must not communicate for it (the replacements have none yet):
     an optimizer puts its engine aside, to start again with the replacements' own engines at
     the same point of the training function (see engine.retire). An MPI that cannot spawn
-    (no slot, no such host) leaves the world as the shrink made it, with a warning."""
-    plan = _plan(state, seats)
+    (no slot, no such host) leaves the world as the shrink made it, with a warning. ``plan``:
+    who goes where (``_plan`` after a failure, ``_resize_plan`` after a change of hosts)."""
     count = len(plan["newcomers"])
-    infos = [_spawn_info(host) for _, _, _, host in plan["newcomers"]]
-    try:
-        inter = state.world.Spawn_multiple([sys.executable] * count, [sys.orig_argv[1:]] * count,
-                                           [1] * count, infos, root=0)
-    except MPI.Exception as error:
-        if recovery.is_failure(error):
-            raise
-        if state.world.Get_rank() == 0:
-            print(f"hvd_sgp: could not start replacements for the lost ranks "
-                  f"({error.Get_error_string()}); {state.world.Get_size()} ranks go on",
-                  file=sys.stderr, flush=True)
-        return None
-    finally:
-        for info in infos:
-            info.Free()
-    track(inter)
-    try:
-        merged = inter.Merge(high=False)
-    finally:
-        untrack(inter)
-        _free(inter)
+    infos = _spawn_infos(state, [host for _, _, _, host in plan["newcomers"]])
+    with recovery.spawning():
+        try:
+            inter = state.world.Spawn_multiple([sys.executable] * count,
+                                               [sys.orig_argv[1:]] * count, [1] * count, infos,
+                                               root=0)
+        except MPI.Exception as error:
+            if recovery.is_failure(error):
+                raise
+            if state.world.Get_rank() == 0:
+                print(f"hvd_sgp: could not start {count} new process(es) "
+                      f"({error.Get_error_string()}); {state.world.Get_size()} ranks go on",
+                      file=sys.stderr, flush=True)
+            return None
+        finally:
+            for info in infos:
+                info.Free()
+        track(inter)
+        try:
+            merged = inter.Merge(high=False)
+        finally:
+            untrack(inter)
+            inter.Disconnect()  # (with the replacements' parent.Disconnect(): see _arrive)
     size_before = state.world.Get_size()
-    merged.bcast(plan, root=0)
-    world, local, cross, entries = _settle(merged, plan, state.origin, state.node,
-                                           MPI.Get_processor_name())
+    state.allocated |= {host for _, _, _, host in plan["newcomers"] if host is not None}
+    merged.bcast(dict(plan, hosts=(state.discovered, state.allocated)), root=0)
+    world, local, cross, entries = _settle(merged, plan, state.origin, state.node, state.host)
     _install(state, world, local, cross, entries)
     joined = tuple(origin for origin, _, _, _ in plan["newcomers"])
     known.update(joined)
@@ -562,6 +636,127 @@ def _grow(state: _State, seats: dict, known: set) -> Optional[WorldChange]:
     change = WorldChange(world, local, cross, (), size_before, False, joined)
     _notify(change)
     return change
+
+
+# --- host discovery: the world follows the discovered hosts ---------------------------------
+def discovering() -> bool:
+    """Whether the job runs with host discovery (sgprun --host-discovery-script)."""
+    return _require().discovered is not None
+
+
+def hosts_changed(latest: Optional[list]) -> int:
+    """Compare the hosts the discovery script printed last (rank 0's, the same on every rank:
+    hvd.elastic's commit broadcasts them) with those the world is laid out for. A change that
+    moves no rank (slots beyond HVD_SGP_MAX_NP, a host without ranks gone) is taken silently;
+    any other waits as ``pending`` for ``resize``. Returns discovery.ADDED when ranks will
+    join and REMOVED when ranks will leave (Horovod's HostUpdateResult, which flags hosts; here
+    the ranks that move decide, so that ``skip_sync`` never skips a newcomer's sync), 0 for no
+    change."""
+    state = _require()
+    if latest is None or state.discovered is None:
+        return 0
+    latest = discovery.merged_order(state.discovered, latest)
+    if latest == state.discovered:
+        return 0
+    plan = _resize_plan(state, latest)
+    change = ((discovery.ADDED if plan["newcomers"] else 0)
+              | (discovery.REMOVED if plan["leaving"] else 0))
+    if change:
+        state.pending = latest
+    else:
+        state.discovered = latest
+    return change
+
+
+def resize_pending() -> bool:
+    """A change of hosts was agreed at a commit and the world is not laid out for it yet."""
+    return _require().pending is not None
+
+
+def resize() -> bool:
+    """Lay the world out for the agreed new hosts (``pending``); every rank calls it, between
+    two calls of the training function (hvd.elastic.run, after HostsUpdatedInterrupt). Returns
+    True on a rank that must leave: its host is gone or has fewer slots now (the highest ranks
+    of a host leave first); it takes part in the split and nothing after.
+
+    1. The world splits into the ranks that stay (rank order kept, so rank 0 stays rank 0
+       unless its host went) and those that leave; nodes are re-formed.
+    2. The ``on_world_change`` subscribers are called as after a failure: optimizers fold
+       their PushSum state into the exact average of the ranks that stay, weight 1 each (the
+       leaving ranks' share goes with them, as a lost rank's does).
+    3. Newcomers are spawned on the hosts with free slots, in host order, up to
+       HVD_SGP_MAX_NP, and seated after the ranks that stay (``_grow``); they join at
+       hvd.elastic's ``state.sync()``, as replacements do.
+    Fewer ranks than HVD_SGP_MIN_NP end the job with an SgpError on every rank. A lost rank
+    during the change raises PeerLostError; after the repair, ``resize`` is called again and
+    works out what is left to do from the world as it then is.
+    """
+    state = _require()
+    began = time.monotonic()
+    plan = _resize_plan(state, state.pending)
+    keep = len(plan["slots"]) - len(plan["newcomers"])
+    minimum = options.from_environment("min_np")
+    if keep + len(plan["newcomers"]) < minimum:
+        raise SgpError(f"the discovered hosts {discovery.encode(state.pending)} give "
+                       f"{keep + len(plan['newcomers'])} ranks, fewer than "
+                       f"HVD_SGP_MIN_NP={minimum}: the job ends")
+    leaving = state.origin in plan["leaving"]
+    grown = None
+    with recovery.repairing(began + recovery.repair_deadline()):
+        with recovery.translated("the change of hosts"):
+            world = state.world.Split(MPI.UNDEFINED if leaving else 0, key=state.world.Get_rank())
+            if leaving:
+                return True
+            size_before = state.world.Get_size()
+            entries = world.allgather((state.origin, state.node, state.host))
+            local, cross = _regroup(world, [(origin, node) for origin, node, _ in entries])
+            _install(state, world, local, cross, entries)
+            _notify(WorldChange(world, local, cross, tuple(plan["leaving"]), size_before, False))
+            state.discovered = state.pending
+            if plan["newcomers"]:
+                known = set(state.origins)
+                grown = _grow(state, plan, known, _seats(state))
+            state.pending = None
+    if grown is not None:
+        fault_record.write("joined " + ",".join(map(str, grown.joined)), state.origin)
+    if state.world.Get_rank() == 0:
+        left = f"rank(s) {plan['leaving']} left" if plan["leaving"] else "no rank left"
+        where = sorted({host for *_, host in plan["newcomers"]})
+        added = (f"{len(grown.joined)} rank(s) joined on {where}" if grown is not None
+                 else "no rank joined")
+        print(f"hvd_sgp: hosts changed to {discovery.encode(state.discovered)}: {left}, "
+              f"{added}; {state.world.Get_size()} ranks go on after "
+              f"{time.monotonic() - began:.2f} s", file=sys.stderr, flush=True)
+    return False
+
+
+def _resize_plan(state: _State, hosts: list) -> dict:
+    """Who stays, who leaves and where newcomers go for ``hosts``, alike on every rank: a rank
+    stays while its host has a slot for it (lowest ranks first); the free slots then take
+    newcomers, host by host, until HVD_SGP_MAX_NP. Ranks that stay keep their order and come
+    first (rank 0 stays a rank that holds the state ``state.sync()`` sends); newcomers follow.
+    Ranks are named by origin (launch rank), as in ``_plan``."""
+    room = dict(hosts)
+    stay, leaving = [], []
+    for origin, host in zip(state.origins, state.hosts):
+        if room.get(host, 0) > 0:
+            room[host] -= 1
+            stay.append(origin)
+        else:
+            leaving.append(origin)
+    limit = options.from_environment("max_np")
+    free = sum(room.values()) if limit is None else min(sum(room.values()), limit - len(stay))
+    local_size = options.from_environment("local_size")
+    places = [name for name, _ in hosts for _ in range(room[name])][:max(0, free)]
+    newcomers = []
+    for index, host in enumerate(places):
+        slot = len(stay) + index
+        node = None if local_size is None else slot // local_size
+        newcomers.append((state.next_origin + index, slot, node, host))
+    slots = {origin: slot for slot, origin in enumerate(stay)}
+    slots.update({origin: slot for origin, slot, _, _ in newcomers})
+    return {"survivors": len(stay), "newcomers": newcomers, "slots": slots,
+            "leaving": leaving, "next_origin": state.next_origin + len(newcomers)}
 
 
 def _settle(merged: MPI.Comm, plan: dict, origin: int, node: Any,
@@ -578,29 +773,41 @@ def _settle(merged: MPI.Comm, plan: dict, origin: int, node: Any,
     return world, local, cross, entries
 
 
+def _join_guard() -> bool:
+    """On a process spawned by a grow (Open MPI sets OMPI_PARENT_PORT before MPI starts), in
+    fault-tolerant mode: an alarm that ends it (SIGALRM, default action) when MPI_Init and the
+    join (``_arrive``) have not completed within the repair's deadline. MPI_Init never returns
+    when a survivor dies during the spawn, and holds the GIL: a Python timer could not act."""
+    if "OMPI_PARENT_PORT" not in os.environ or not options.from_environment("fault_tolerant"):
+        return False
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(int(recovery.repair_deadline()))
+    return True
+
+
 def _arrive(parent: MPI.Comm) -> _State:
     """A replacement's init(): merge with the survivors that spawned it, take the seat their
     plan gives (``_grow``), and form the nodes with them. A failure on the way (a survivor
     lost meanwhile) ends this process, and the survivors repair without it; so does a join
-    that has not completed within the repair's deadline."""
-    guard = threading.Timer(recovery.repair_deadline(), recovery.exclude_self,
-                            ("this replacement could not join the job in time",))
-    guard.daemon = True
-    guard.start()
+    that has not completed within the repair's deadline (``_join_guard``)."""
     try:
         parent.Set_errhandler(MPI.ERRORS_RETURN)
         merged = parent.Merge(high=True)
+        # Disconnected, not kept: a parent intercommunicator still held at exit makes MPI_Finalize
+        # wait forever to disconnect from survivors that no longer hold theirs (the exit alarm
+        # then killed the replacement, and PRRTE 3.0 reported the spawned job's abnormal end as
+        # "LAUNCHER JOB OBJECT NOT FOUND", its parent job being gone).
+        parent.Disconnect()
         plan = merged.bcast(None, root=0)
-        origin, _, node, _ = plan["newcomers"][merged.Get_rank() - plan["survivors"]]
+        origin, _, node, host = plan["newcomers"][merged.Get_rank() - plan["survivors"]]
         node = MPI.Get_processor_name() if node is None else node
-        world, local, cross, entries = _settle(merged, plan, origin, node,
-                                               MPI.Get_processor_name())
+        host = MPI.Get_processor_name() if host is None else host
+        world, local, cross, entries = _settle(merged, plan, origin, node, host)
     except MPI.Exception as error:
         recovery.exclude_self(f"this replacement could not join the job "
                               f"({error.Get_error_string()})")
-    finally:
-        guard.cancel()
-    state = _State(world, local, cross, MPI.Query_thread(), node, origin, entries)
+    state = _State(world, local, cross, MPI.Query_thread(), node, origin, entries, host)
+    state.discovered, state.allocated = plan["hosts"]
     state.next_origin = plan["next_origin"]
     state.replacement = True
     recovery.arrived()

@@ -212,9 +212,6 @@ FLAGS: tuple[HorovodFlag, ...] = (
                 IGNORED, "no backend log (see --log-level)", bool,
                 off=("--log-without-timestamp", "--log-hide-timestamp"), group="timestamp",
                 config="logging.with_timestamp"),
-    HorovodFlag("slots_per_host", ("--slots-per-host",), IGNORED, "slots of hosts found by "
-                "--host-discovery-script (elastic); without one horovodrun ignores it too",
-                count(1)),
 )
 BY_DEST = {flag.dest: flag for flag in FLAGS}
 

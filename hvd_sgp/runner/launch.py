@@ -24,10 +24,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence, TypeVar
 
-from hvd_sgp.common import fault_record
+from hvd_sgp.common import discovery, fault_record
 from hvd_sgp.common.errors import OptionError
 from hvd_sgp.common.options import BY_NAME, OPTIONS  # importing the core does not start MPI
 from hvd_sgp.common.options import environment as options_environment
@@ -107,7 +108,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             args.config_unknown = horovod_flags.apply_config(args, config, args.config_file)
         except ValueError as exc:
             parser.error(str(exc))
-    if args.fault_tolerant is None and (args.min_np is not None or args.max_np is not None):
+    if args.fault_tolerant is None and (args.min_np is not None or args.max_np is not None
+                                        or args.host_discovery_script):
         args.fault_tolerant = True  # as horovodrun's elastic flags make its run elastic
     return args
 
@@ -155,6 +157,48 @@ def validate(args: argparse.Namespace,
         except (socket.gaierror, UnicodeError) as exc:
             raise LaunchError(f"host {host.name!r} cannot be resolved ({exc}); check -H/--hostfile "
                               "and DNS or /etc/hosts") from None
+
+
+def discover(args: argparse.Namespace, environ: Mapping[str, str],
+             run: Callable[[str, Optional[int]], list] = discovery.run_script,
+             sleep: Callable[[float], None] = time.sleep,
+             clock: Callable[[], float] = time.monotonic) -> str:
+    """``--host-discovery-script``: run the script until its hosts have -np slots (for at
+    most --elastic-timeout seconds, as horovodrun waits), then launch on all of them, at most
+    --max-np ranks: ``args.np`` and ``args.hosts`` are set to that. Returns the hosts found,
+    for the ranks (HVD_SGP_DISCOVERED_HOSTS). A failing script or bad output is an error at
+    once (horovodrun's first discovery is fatal too)."""
+    if requested_hosts(args) is not None:
+        raise LaunchError("--host-discovery-script finds the hosts: drop -H/--hostfile")
+    if args.np is None:
+        raise LaunchError("-np is required: the number of slots to wait for before the job "
+                          "starts (--min-np and --max-np bound it later)")
+    if not args.fault_tolerant:
+        raise LaunchError("--host-discovery-script needs --fault-tolerant (ranks join and "
+                          "leave a running world)")
+    timeout = (args.elastic_timeout if args.elastic_timeout is not None else
+               float(environ.get("HOROVOD_ELASTIC_TIMEOUT") or BY_NAME["elastic_timeout"].default))
+    interval = (args.discovery_interval if args.discovery_interval is not None
+                else BY_NAME["discovery_interval"].default)
+    deadline = clock() + timeout
+    while True:
+        try:
+            hosts = run(args.host_discovery_script, args.slots_per_host)
+        except discovery.DiscoveryError as error:
+            raise LaunchError(str(error)) from None
+        if discovery.total(hosts) >= args.np:
+            break
+        if clock() + interval > deadline:
+            raise LaunchError(f"the host discovery script found {discovery.total(hosts)} "
+                              f"slots ({discovery.encode(hosts) or 'no host'}) and not the "
+                              f"{args.np} of -np within --elastic-timeout {timeout:g} s")
+        sleep(interval)
+    count = discovery.total(hosts) if args.max_np is None else min(args.max_np,
+                                                                     discovery.total(hosts))
+    used = set(discovery.assign(hosts, count))
+    args.np = count
+    args.hosts = [Host(name, slots) for name, slots in hosts if name in used]
+    return discovery.encode(hosts)
 
 
 def mpi_flavour(version_text: str) -> tuple[str, int]:
@@ -331,12 +375,17 @@ def _openmpi_options(args: argparse.Namespace, site: Site, job_env: Mapping[str,
 
 def fault_tolerant_options(args: argparse.Namespace) -> list[str]:
     """mpirun's ULFM: failures reported to the survivors instead of ending the job, and the
-    heartbeat detector (period a quarter of its timeout, as ULFM requires < 1/3)."""
+    heartbeat detector (period a quarter of its timeout, as ULFM requires < 1/3). The PRRTE
+    defaults make every job recoverable, also those MPI_Comm_spawn starts (replacements,
+    newcomers), which --with-ft alone leaves to end all their processes when one of them dies
+    or leaves without MPI_Finalize (Open MPI 5.0 passes no runtime option through a spawn)."""
     timeout = (args.detector_timeout if args.detector_timeout is not None
                else BY_NAME["detector_timeout"].default)
     return ["--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true",
             "--mca", "mpi_ft_detector_timeout", f"{timeout:g}",
-            "--mca", "mpi_ft_detector_period", f"{timeout / 4:g}"]
+            "--mca", "mpi_ft_detector_period", f"{timeout / 4:g}",
+            "--prtemca", "state_base_recoverable", "1",
+            "--prtemca", "state_base_notify_errors", "1"]
 
 
 def _hydra_options(args: argparse.Namespace, job_env: Mapping[str, str]) -> list[str]:
@@ -405,10 +454,23 @@ def fault_tolerant_status(status: int, records: str, ranks: int) -> int:
         return status or 1
     if status == 0:
         return 0
-    print(f"sgprun: training completed on {len(verdict.finished)} ranks; rank(s) "
-          f"{sorted(verdict.lost)} were lost and excluded (mpirun's status {status} "
-          "counts them)", file=sys.stderr, flush=True)
+    print(f"sgprun: training completed on {len(verdict.finished)} ranks; "
+          f"{_what_happened(verdict)} (mpirun's status {status} counts them)",
+          file=sys.stderr, flush=True)
     return 0
+
+
+def _what_happened(verdict: fault_record.Verdict) -> str:
+    """The ranks that did not finish, and why, by launch rank."""
+    parts = []
+    if verdict.lost:
+        fate = (f"replaced by new processes (launch rank(s) {sorted(verdict.joined)})"
+                if verdict.joined else "excluded")
+        parts.append(f"rank(s) {sorted(verdict.lost)} were lost and {fate}")
+    if verdict.left:
+        parts.append(f"rank(s) {sorted(verdict.left)} left when the discovery script "
+                     "removed their hosts")
+    return "; ".join(parts)
 
 
 def run(command: Sequence[str], env: Mapping[str, str]) -> int:
@@ -441,6 +503,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             env[fault_record.VARIABLE] = scope.enter_context(
                 tempfile.TemporaryDirectory(prefix="sgprun-"))
         try:
+            if args.host_discovery_script:
+                env[discovery.VARIABLE] = discover(args, env)
             validate(args)
             site = detect_site(args, env)
             command = build_command(args, env, site)

@@ -1,0 +1,158 @@
+"""Host discovery, as horovodrun's ``--host-discovery-script``: the script prints the hosts
+that may run ranks now, one ``host:slots`` line each (``host`` alone takes
+``--slots-per-host``).
+
+``sgprun`` runs it once before the launch, to choose the hosts and the number of ranks (all the
+slots it finds, at most ``--max-np``), and hands the ranks what it found
+(``HVD_SGP_DISCOVERED_HOSTS``). From then on the world's rank 0 runs it every
+``HVD_SGP_DISCOVERY_INTERVAL`` seconds (1 s, Horovod's period) in a thread of its own
+(``Poller``); ``state.commit()`` broadcasts rank 0's latest result, so every rank sees a change
+at the same commit (hvd_sgp/common/elastic.py), and the runtime then grows or shrinks the world
+to the new hosts (runtime.resize). No MPI here: the launcher imports it.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from typing import Optional
+
+VARIABLE = "HVD_SGP_DISCOVERED_HOSTS"  # what sgprun found at launch: "host:slots,..." in order
+SCRIPT_SECONDS = 60.0  # a run of the script that takes longer counts as a failed run
+
+Hosts = list  # [(name, slots), ...] in assignment order
+
+
+class DiscoveryError(ValueError):
+    """The discovery script failed or printed something that is not a host list."""
+
+
+def parse(text: str, default_slots: Optional[int], source: str) -> Hosts:
+    """The ``host:slots`` (or ``host``) lines of ``text``, in order; blank lines are skipped
+    (a script with no host ready prints nothing). ``source`` names the script in errors."""
+    hosts: dict = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line:
+            continue
+        name, sep, slots = line.partition(":")
+        if sep:
+            if not slots.strip().isdigit() or int(slots) < 1:
+                raise DiscoveryError(f"{source} printed {raw.strip()!r} (line {number}): "
+                                     "expected host:slots with slots a positive integer")
+            count = int(slots)
+        elif default_slots is None:
+            raise DiscoveryError(f"{source} printed {raw.strip()!r} (line {number}) without "
+                                 "a slot count: print host:slots or give --slots-per-host")
+        else:
+            count = default_slots
+        name = name.strip()
+        if not name or any(c.isspace() for c in name):
+            raise DiscoveryError(f"{source} printed {raw.strip()!r} (line {number}): "
+                                 "expected host:slots")
+        if name in hosts:
+            raise DiscoveryError(f"{source} names host {name!r} twice")
+        hosts[name] = count
+    return list(hosts.items())
+
+
+def run_script(command: str, default_slots: Optional[int],
+               timeout: float = SCRIPT_SECONDS) -> Hosts:
+    """Run the discovery command through the shell (as horovodrun does) and parse its output."""
+    source = f"the host discovery script {command!r}"
+    try:
+        done = subprocess.run(command, shell=True, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise DiscoveryError(f"{source} did not finish within {timeout:g} s") from None
+    except OSError as error:
+        raise DiscoveryError(f"{source} could not run: {error}") from None
+    if done.returncode != 0:
+        said = done.stderr.strip().splitlines()[-1:] or ["nothing on stderr"]
+        raise DiscoveryError(f"{source} exited with status {done.returncode} ({said[0]})")
+    return parse(done.stdout, default_slots, source)
+
+
+def encode(hosts: Hosts) -> str:
+    """``host:slots,...``: how the launcher hands the hosts to the ranks."""
+    return ",".join(f"{name}:{slots}" for name, slots in hosts)
+
+
+def decode(text: str) -> Hosts:
+    """The inverse of ``encode``."""
+    return parse(text.replace(",", "\n"), None, VARIABLE)
+
+
+def total(hosts: Hosts) -> int:
+    return sum(slots for _, slots in hosts)
+
+
+def assign(hosts: Hosts, count: int) -> list:
+    """The host of each of the first ``count`` ranks: hosts filled in order, slot by slot,
+    as ``mpirun -H ... --map-by slot`` places them."""
+    order = [name for name, slots in hosts for _ in range(slots)]
+    if count > len(order):
+        raise DiscoveryError(f"{count} ranks do not fit the {len(order)} slots of "
+                             f"{encode(hosts)}")
+    return order[:count]
+
+
+def merged_order(before: Hosts, now: Hosts) -> Hosts:
+    """``now`` in assignment order: the hosts kept from ``before`` first, in their order, then
+    the new ones (Horovod keeps the oldest hosts first, so rank 0 stays on one of them)."""
+    slots = dict(now)
+    kept = [(name, slots[name]) for name, _ in before if name in slots]
+    known = {name for name, _ in before}
+    return kept + [(name, count) for name, count in now if name not in known]
+
+
+ADDED, REMOVED = 2, 1  # Horovod's HostUpdateResult flags
+
+
+class Poller:
+    """Runs the discovery script every ``interval`` seconds in a daemon thread and keeps the
+    last host list it printed. A failed run keeps the previous list and says why on stderr
+    (once per distinct error), as Horovod retries transient failures."""
+
+    def __init__(self, command: str, default_slots: Optional[int], interval: float):
+        self.command, self.default_slots, self.interval = command, default_slots, interval
+        self._latest: Optional[Hosts] = None
+        self._said: Optional[str] = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hvd_sgp-discovery", daemon=True)
+        self._thread.start()
+
+    def latest(self) -> Optional[Hosts]:
+        """The hosts of the last successful run; None before the first one completed."""
+        return self._latest
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._latest = run_script(self.command, self.default_slots)
+            except DiscoveryError as error:
+                if str(error) != self._said:
+                    self._said = str(error)
+                    print(f"hvd_sgp: warning: {error}; keeping the last host list",
+                          file=sys.stderr, flush=True)
+            self._stop.wait(self.interval)
+
+
+_poller: list = []  # the running Poller, at most one per process
+
+
+def poll(command: str, default_slots: Optional[int], interval: float) -> Poller:
+    """The process's poller, started on first call."""
+    if not _poller:
+        _poller.append(Poller(command, default_slots, interval))
+    return _poller[0]
+
+
+def stop_polling() -> None:
+    """Stop the poller (this process is no longer the world's rank 0)."""
+    while _poller:
+        _poller.pop().stop()
+
