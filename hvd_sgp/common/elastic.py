@@ -58,8 +58,9 @@ class State:
         """Raise HostsUpdatedInterrupt on every rank at once when the discovery script's hosts
         changed (rank 0's latest result is broadcast: one small collective per call).
         ``skip_sync`` when ranks only leave (Horovod's: when hosts were only removed): the
-        ranks that stay hold the same state, and no newcomer waits for a sync. Without host discovery nothing changes the world but a failure
-        (HorovodInternalError), and nothing is communicated."""
+        ranks that stay hold the same state, and no newcomer waits for a sync. Without host
+        discovery nothing changes the world but a failure (HorovodInternalError), and nothing
+        is communicated."""
         if not runtime.is_initialized() or not runtime.discovering():
             return
         change = runtime.hosts_changed(self._bcast_object(_latest_hosts()))
