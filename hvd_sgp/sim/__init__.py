@@ -2,9 +2,9 @@
 
 Every node runs the core's own mixer (PushSumMixer, OverlapMixer with delays, ChocoMixer
 or SparseMixer for lossy codecs, as mixers.py chooses) over an in-process transport, and
-local steps follow the core's OuterLoop, so consensus, bias, delay and compression effects can be studied at sizes no test
-cluster has, with the very code that runs over MPI. No MPI is started and no framework is
-imported.
+local steps follow the core's OuterLoop, so consensus, bias, delay and compression effects
+can be studied at sizes no test cluster has, with the very code that runs over MPI. No MPI is
+started and no framework is imported.
 """
 from __future__ import annotations
 
