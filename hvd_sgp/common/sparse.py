@@ -23,6 +23,7 @@ from typing import Optional
 
 import numpy as np
 
+from hvd_sgp.common.choco import host_view
 from hvd_sgp.common.codecs import WEIGHT_BYTES, Codec, RandomKCodec
 from hvd_sgp.common.errors import SgpError, SgpValueError
 from hvd_sgp.common.mpi import MPI
@@ -37,8 +38,6 @@ class SparseMixer(PushSumMixer):
     def __init__(self, buffer, topology: Topology, transport: Transport,
                  local: Optional[MPI.Comm] = None, push_sum: bool = True,
                  codec: Optional[Codec] = None):
-        from hvd_sgp.common.choco import host_view
-
         super().__init__(host_view(buffer), topology, transport, local, push_sum, codec,
                          track_weight=False)
         if not isinstance(self.codec, RandomKCodec):
