@@ -45,7 +45,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from hvd_sgp.common.codecs import BLOCK, Codec, blocks, codec as make_codec
-from hvd_sgp.common.errors import SgpError, SgpValueError
+from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.overlap import OverlapMixer
 from hvd_sgp.common.pushsum import PushSumMixer
@@ -179,10 +179,7 @@ class ChocoMixer(PushSumMixer):
             else:
                 data = payload[:self.codec.nbytes(self.width)]
                 finite = self.codec.finite(data, self.width)
-            if not (finite and math.isfinite(weight)):
-                raise SgpError(f"received NaN or infinite parameters from "
-                               f"{self.transport.peer_name(source)} at iteration "
-                               f"{self.iteration}: that rank diverged")
+            self._check_finite(finite and math.isfinite(weight), source)
             if self.track_weight:
                 self._check_weight(weight, float(self.buffer[self.n]), source)
             if raw:

@@ -229,10 +229,7 @@ class PushSumMixer:
             else:
                 values, share = self.kit.unpack(self.codec, row, self.width)
             self._check_weight(share, weight, source)
-            if not self.kit.finite(self._checked(values)):
-                raise SgpError(f"received NaN or infinite parameters from "
-                               f"{self.transport.peer_name(source)} at iteration "
-                               f"{self.iteration}: that rank diverged")
+            self._check_finite(self.kit.finite(self._checked(values)), source)
             weight += share
             self.kit.lerp(shard, values, share / weight)
             if self.audit is not None:
@@ -268,6 +265,13 @@ class PushSumMixer:
 
     def load_state(self, state: dict) -> None:
         """Restore what ``state`` returned."""
+
+    def _check_finite(self, finite: bool, peer: int) -> None:
+        """Name the peer whose message held NaN or infinity: that rank diverged."""
+        if not finite:
+            raise SgpError(f"received NaN or infinite parameters from "
+                           f"{self.transport.peer_name(peer)} at iteration "
+                           f"{self.iteration}: that rank diverged")
 
     def _check_weight(self, share: float, own: float, peer: int) -> None:
         if not math.isfinite(share) or share <= 0:

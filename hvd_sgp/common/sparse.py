@@ -49,6 +49,7 @@ class SparseMixer(PushSumMixer):
         # the seed, the values in the buffer's own precision (so that the sum over nodes is
         # exactly conserved), the weight share
         self._size = 8 + self.buffer.itemsize * self.codec.count(self.width) + WEIGHT_BYTES
+        self._draw = None  # the entries of the iteration begun, for its add
 
     def begin(self, slot=None):
         """Push this node's values at the iteration's drawn entries; nothing changes here
@@ -57,7 +58,7 @@ class SparseMixer(PushSumMixer):
         phase = self.topology.phase(self.iteration)
         out_peers, in_peers = phase.out_peers[self.node], phase.in_peers(self.node)
         shard = self.buffer[self.start:self.stop]
-        draw = self.codec.draw(self.iteration, self.width)
+        draw = self._draw = self.codec.draw(self.iteration, self.width)
         sends = []
         for t, (peer, share) in enumerate(zip(out_peers, phase.out_weights[self.node])):
             message = self._slot.send(t, self._size, True)
@@ -76,8 +77,7 @@ class SparseMixer(PushSumMixer):
         """Sum the in-peers' values into the drawn entries, each message as PushSum does
         (z += s / (w + s) (z' - z), w += s), from the share this node kept."""
         began = time.perf_counter()
-        shard = self.buffer[self.start:self.stop]
-        draw = self.codec.draw(self.iteration, self.width)
+        shard, draw = self.buffer[self.start:self.stop], self._draw
         mixed = draw.gather(shard)
         weight = self.topology.phase(self.iteration).self_weights[self.node]
         for row, source in zip(received, sources):
@@ -88,10 +88,7 @@ class SparseMixer(PushSumMixer):
                                f"for iteration {seed} while this rank is at "
                                f"{self.iteration}: ranks are running different steps")
             values = row[8:8 + shard.itemsize * draw.size].view(shard.dtype)
-            if not np.isfinite(values).all():
-                raise SgpError(f"received NaN or infinite parameters from "
-                               f"{self.transport.peer_name(source)} at iteration "
-                               f"{self.iteration}: that rank diverged")
+            self._check_finite(self.kit.finite(values), source)
             weight += share
             mixed += (share / weight) * (values - mixed)
         draw.set(shard, mixed)

@@ -202,8 +202,8 @@ class SimNetwork:
                   error_feedback=error_feedback, compressed=compressed)
             for i in range(self.n)]
         self.compressed = isinstance(self.mixers[0], ChocoMixer)
-        for mixer in self.mixers:
-            if self.compressed:
+        if self.compressed:
+            for mixer in self.mixers:
                 mixer.ledger = np.zeros(dim + 1)
 
     @property
