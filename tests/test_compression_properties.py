@@ -240,3 +240,26 @@ def test_random_k_gossips_compressed_where_weights_move():
                 .mixers[0]).__name__ == "ChocoOverlapMixer"
     net = SimNetwork("random", 8, n=6, codec="randomk:0.1")
     assert type(net.mixers[0]).__name__ == "ChocoMixer" and net.mixers[0].step == 0.05
+
+
+def test_bf16_rounds_to_nearest_even_block_by_block():
+    """bf16 encodes several blocks and a partial one without whole-array temporaries: each
+    value goes to the nearer of the two bf16 values around it (an exact tie to the even
+    one), and decoding widens exactly."""
+    n = 150_001
+    rng = np.random.default_rng(4)
+    values = (rng.normal(size=n) * 10.0 ** rng.integers(-30, 30, n)).astype(np.float32)
+    values[:4] = [0.0, -0.0, 1 + 2.0**-8, 1 + 3 * 2.0**-8]  # ties: down to 1, up to 1 + 2^-6
+    c = codec("bf16")
+    wire = np.zeros(c.nbytes(n), np.uint8)
+    c.encode(values, wire)
+    decoded = c.decode(wire, n).astype(np.float64)
+    bits = values.view(np.uint32)
+    low = (bits & np.uint32(0xFFFF0000)).view(np.float32).astype(np.float64)
+    high = ((bits | np.uint32(0xFFFF)) + np.uint32(1)).view(np.float32).astype(np.float64)
+    exact = values.astype(np.float64)
+    nearer = np.where(np.abs(exact - low) < np.abs(high - exact), low, high)
+    tie = np.abs(exact - low) == np.abs(high - exact)
+    even = np.where((bits >> np.uint32(16)) & np.uint32(1), high, low)
+    assert np.array_equal(decoded, np.where(tie, even, nearer))
+    assert decoded[2] == 1 and decoded[3] == 1 + 2.0**-6

