@@ -47,8 +47,6 @@ VARIANTS = {
     "topk1": ("top-k 1%", {"COMPRESSION": "topk:0.01"}),
     "topk1-noef": ("top-k 1%, no EF", {"COMPRESSION": "topk:0.01", "ERROR_FEEDBACK": "0"}),
     "randomk10": ("random-k 10%", {"COMPRESSION": "randomk:0.1"}),
-    "randomk10-noef": ("random-k 10%, no EF", {"COMPRESSION": "randomk:0.1",
-                                                "ERROR_FEEDBACK": "0"}),
     "local4": ("Local SGD H=4", {"MODE": "allreduce", "LOCAL_STEPS": "4"}),
     "slowmo": ("SlowMo on SGP, H=4, beta 0.5, alpha 1", {"SLOWMO": "0.5", "LOCAL_STEPS": "4"}),
     "slowmo-a05": ("SlowMo on SGP, H=4, beta 0.5, alpha 0.5",
@@ -431,12 +429,12 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--variants", nargs="*", choices=list(VARIANTS),
-                   default=[v for v in VARIANTS if v != "randomk10-noef"],
-                   help="synchronous runs (random-k gossips exact values there: nothing is "
+                   default=list(VARIANTS),
+                   help="synchronous runs (random-k gossips exact values: nothing is "
                         "dropped, so error feedback does not apply)")
     p.add_argument("--overlap-variants", nargs="*", choices=list(VARIANTS),
                    default=["fp32", "int8", "topk10", "topk10-noef", "topk1", "topk1-noef",
-                            "randomk10", "randomk10-noef"])
+                            "randomk10"])
     p.add_argument("--keys", nargs="*", default=[], metavar="NAME[:osgp2]",
                    help="run these, in this order (instead of the two lists)")
     p.add_argument("--epochs", type=int, default=20)

@@ -89,9 +89,10 @@ def check_the_variable_applies_where_the_script_asks_for_none():
 
 @checks
 def check_pure_mixing_conserves_the_average():
-    """lr = 0: parameters change only by gossip, so the exact average (over weights) after
-    any number of compressed steps must be the starting average, for every codec, error
-    feedback on and off, synchronous and Overlap SGP with tau = 1, 2."""
+    """lr = 0: parameters change only by gossip, so the exact average (over weights: per run
+    for random-k under overlap) after any number of compressed steps must be the starting
+    average, for every codec, error feedback on and off, synchronous and Overlap SGP with
+    tau = 1, 2."""
     worst, cases = 0.0, 0
     for spec, compression in CODECS.items():
         for feedback in (True, False):
@@ -262,7 +263,8 @@ def snapshot_resume(kwargs: dict, steps: int = 6, more: int = 5) -> float:
 @checks
 def check_slowmo_and_checkpoints():
     """SlowMo on SGP and on Local SGD: one model on every rank after each outer step, the
-    outer momentum in the checkpoint; compressed copies and SlowMo resume exactly."""
+    outer momentum in the checkpoint; compressed copies, random-k's run weights and SlowMo
+    resume exactly."""
     model = mlp(80 + me)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
                                    slowmo=0.5, slowmo_lr=1.0, local_steps=2)
@@ -277,6 +279,9 @@ def check_slowmo_and_checkpoints():
         ("slowmo on local sgd", dict(slowmo=0.6, local_steps=3, mode="allreduce")),
         ("topk:0.2", dict(compression=hvd.Compression.topk(0.2))),
         ("int8 no-ef", dict(compression=hvd.Compression.int8, error_feedback=False)))}
+    # the random graph's weights move from its 7th phase on (3 and 4 nodes)
+    diffs["randomk:0.3 random graph (run weights)"] = snapshot_resume(
+        dict(compression=hvd.Compression.randomk(0.3), topology="random"), steps=12)
     assert max(diffs.values()) < 1e-6, diffs
     state = opt.state_dict()["hvd_sgp"]
     return (f"SlowMo: one model after each outer step, momentum checkpointed; resume is exact "

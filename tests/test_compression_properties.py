@@ -69,6 +69,7 @@ def test_an_exact_codec_computes_todays_pushsum_on_any_synchronous_graph(graph, 
 @given(graph=graphs(), delay=st.integers(0, 3), spec=st.sampled_from(LOSSY),
        feedback=st.booleans(), step=st.floats(0.05, 1.0), seed=st.integers(0, 2**16))
 def test_compressed_gossip_conserves_the_average(graph, delay, spec, feedback, step, seed):
+    """Random-k's weights are per entry (per run): its mass is checked entry by entry."""
     net = SimNetwork(graph, 6, delay=delay, seed=seed, codec=spec, error_feedback=feedback,
                      consensus_step=step)
     spread_out(net, seed)
@@ -78,11 +79,12 @@ def test_compressed_gossip_conserves_the_average(graph, delay, spec, feedback, s
         net.step()
         x, w = net.mass()  # nodes plus in flight
         assert np.abs(x - numerators).max() <= 1e-12 * scale
-        assert abs(w - weight) <= 1e-12 * weight
+        assert np.abs(w - weight).max() <= 1e-12 * np.max(weight)
     net.drain()
-    assert abs(net.in_flight()[1]) <= 1e-12 * weight
+    assert np.abs(net.in_flight()[1]).max() <= 1e-12 * np.max(weight)
     x, w = net.mass()
-    assert np.abs(x - numerators).max() <= 1e-12 * scale and abs(w - weight) <= 1e-12 * weight
+    assert np.abs(x - numerators).max() <= 1e-12 * scale
+    assert np.abs(w - weight).max() <= 1e-12 * np.max(weight)
 
 
 @pytest.mark.parametrize("spec", ["int8", "topk:0.25", "randomk:0.25"])
@@ -130,7 +132,12 @@ def test_compressed_sgp_converges_on_a_quadratic_as_exact_sgp_does(graph, spec, 
     node, exact gradients), from a common start. Both end with a bias proportional to the
     step over the mixing rate (slow-mixing graphs leave more); compressed gossip mixes about
     gamma times slower, so its error keeps shrinking with the step and ends within 1 / gamma
-    of exact gossip's on the same graph."""
+    of exact gossip's on the same graph. Random-k mixes each entry in a fraction F of the
+    steps, on a random subsequence of a periodic graph's phases: it is held to gamma = F / 2
+    (its codec's consensus step). Where weights stay uneven (graphs that are not doubly
+    stochastic), local steps on de-biased parameters weigh the nodes' gradients by their
+    weights, which leaves exact SGP a floor; random-k's per-run weights settle at a floor of
+    their own, which it may reach from below, so there only the bound is asserted."""
     errors = []
     gamma = STABLE[spec] or codec(spec).consensus_step
     for codec_spec, step in (("none", None), (spec, STABLE[spec])):
@@ -146,7 +153,8 @@ def test_compressed_sgp_converges_on_a_quadratic_as_exact_sgp_does(graph, spec, 
                 errors.append(np.abs(net.params - task.optimum).max()
                               / np.abs(task.optimum).max())
     exact, (early, late) = errors[1], errors[2:]
-    assert late <= early + 1e-9 and late <= exact / gamma + 0.02, (errors, gamma)
+    settles = codec(spec).name == "randomk" and not graph.doubly_stochastic
+    assert (settles or late <= early + 1e-9) and late <= exact / gamma + 0.02, (errors, gamma)
 
 
 @pytest.mark.parametrize("name", sorted(TOPOLOGIES))
@@ -233,13 +241,53 @@ def test_random_k_mixes_shared_entries_exactly(n):
         assert net.mixers[0].transport.stats.bytes_sent == pushes * (8 + 8 * count + 8)
 
 
-def test_random_k_gossips_compressed_where_weights_move():
-    """Overlap SGP and irregular graphs move the weights, which shared entries cannot carry:
-    random-k takes compressed PushSum there, and its default step."""
-    assert type(SimNetwork("exponential", 8, n=4, codec="randomk:0.1", delay=2)
-                .mixers[0]).__name__ == "ChocoOverlapMixer"
-    net = SimNetwork("random", 8, n=6, codec="randomk:0.1")
-    assert type(net.mixers[0]).__name__ == "ChocoMixer" and net.mixers[0].step == 0.05
+@settings(max_examples=30, deadline=None)
+@given(graph=graphs(), delay=st.integers(0, 3), seed=st.integers(0, 2**16))
+def test_random_k_drawing_every_entry_is_todays_pushsum_on_any_graph(graph, delay, seed):
+    """Where weights move (Overlap SGP, irregular graphs) random-k keeps a weight per run;
+    drawing every entry (F = 1) it must compute exactly what today's PushSum does, weights
+    included, step for step, with the same arrivals."""
+    today = SimNetwork(graph, 5, delay=delay, seed=seed)
+    sparse = SimNetwork(graph, 5, delay=delay, seed=seed, codec="randomk:1")
+    assert type(sparse.mixers[0]).__name__ == ("SparseOverlapMixer" if delay else
+                                               "SparseMixer")
+    for net in (today, sparse):
+        spread_out(net, seed)
+    for _ in range(15):
+        today.step()
+        sparse.step()
+        assert np.array_equal(sparse.params, today.params)
+        weights = sparse.weights()
+        expected = today.weights()
+        assert np.array_equal(weights, np.broadcast_to(expected[:, None], weights.shape)
+                              if weights.ndim == 2 else expected)
+
+
+@pytest.mark.parametrize("topology, delay", [("exponential", 2), ("random", 0),
+                                             ("ring", 3)])
+def test_random_k_moves_weights_run_by_run_where_they_move(topology, delay):
+    """Overlap SGP and irregular graphs: only drawn runs change value or weight at a step, a
+    push carries one float64 share per drawn run besides its values, and the nodes still
+    reach the exact average of every entry."""
+    dim = 5000  # one entry per run (run = 1 below 8192 values)
+    net = SimNetwork(topology, dim, n=6, codec="randomk:0.1", delay=delay, seed=4)
+    spread_out(net, 4)
+    numerators, weight = net.mass()
+    c = codec("randomk:0.1")
+    for k in range(20):
+        before, weights = net.params.copy(), net.weights()
+        net.step()
+        untouched = np.setdiff1d(np.arange(dim), np.concatenate(
+            [c.draw(j, dim).gather(np.arange(dim)) for j in range(max(0, k - delay), k + 1)]))
+        assert np.array_equal(net.params[:, untouched], before[:, untouched])
+        assert np.array_equal(net.weights()[:, untouched], weights[:, untouched])
+    assert net.weights().std() > 0.01  # weights moved
+    pushes = sum(len(net.topology.phase(k).out_peers[0]) for k in range(20))
+    assert net.mixers[0].transport.stats.bytes_sent == pushes * (8 + 16 * c.count(dim) + 8)
+    for _ in range(4000):
+        net.step()
+    net.drain()
+    assert np.abs(net.params - numerators / weight).max() < 1e-9
 
 
 def test_bf16_rounds_to_nearest_even_block_by_block():

@@ -1,5 +1,5 @@
-"""Compressed PushSum: lossy codecs (int8, top-k, random-k) without drift, on directed,
-time-varying graphs, synchronous or overlapped.
+"""Compressed PushSum: lossy codecs (int8, top-k; random-k gossips exactly, sparse.py)
+without drift, on directed, time-varying graphs, synchronous or overlapped.
 
 Why: pushing an encoding of the parameters loses a little mass at every step, so the de-biased
 average drifts away. As in CHOCO-SGD (Koloskova et al., 2019), nodes gossip encoded

@@ -302,9 +302,10 @@ class RandomKCodec(_Sparse):
 
     @property
     def consensus_step(self) -> float:
-        """F / 2, for compressed gossip (choco.py, where weights move): random-k removes only
-        F of a difference's energy per push, and the error-feedback loop is stable only for
-        gamma below that (CHOCO's condition)."""
+        """F / 2, where random-k is forced through compressed gossip (the simulator's
+        ``compressed=True``; it normally gossips exactly, sparse.py): a push removes only F
+        of a difference's energy, and the error-feedback loop is stable only for gamma below
+        that (CHOCO's condition)."""
         return self.fraction / 2
 
     @staticmethod
@@ -312,21 +313,21 @@ class RandomKCodec(_Sparse):
         """Entries per run: 1 for small shards, up to 64 (a 256-byte stretch) for large."""
         return min(64, max(1, n // 4096))
 
-    def _runs(self, n: int) -> tuple[int, int]:
+    def runs(self, n: int) -> tuple[int, int]:
         """(runs drawn, runs in all) for n entries."""
         runs = -(-n // self.run(n))
         return min(runs, max(1, math.ceil(self.fraction * runs))), runs
 
     def count(self, n: int) -> int:
         """The most entries a draw holds (its last run may be cut short by the shard's end)."""
-        return self._runs(n)[0] * self.run(n)
+        return self.runs(n)[0] * self.run(n)
 
     def nbytes(self, n: int) -> int:
         return 8 + 4 * self.count(n)
 
     def draw(self, seed: int, n: int) -> Draw:
         """The entries that ``seed`` picks out of n."""
-        drawn, runs = self._runs(n)
+        drawn, runs = self.runs(n)
         chosen = np.random.default_rng(seed).choice(runs, drawn, replace=False)
         return Draw(np.sort(chosen), self.run(n), n)
 
@@ -365,10 +366,18 @@ class Draw:
 
     def __init__(self, chosen: np.ndarray, run: int, n: int):
         self.run, self.n = run, n
+        self.runs = chosen  # every run drawn, the short last one included
         self.full = n // run  # runs that are whole
         self.cut = len(chosen) and chosen[-1] == self.full  # the short last run is drawn
         self.chosen = chosen[:-1] if self.cut else chosen
         self.size = len(self.chosen) * run + (n - self.full * run if self.cut else 0)
+
+    def spread(self, per_run: np.ndarray) -> np.ndarray:
+        """One value per run drawn (in ``runs`` order), repeated over the run's entries."""
+        whole = np.repeat(per_run[:len(self.chosen)], self.run)
+        if not self.cut:
+            return whole
+        return np.concatenate([whole, np.full(self.n - self.full * self.run, per_run[-1])])
 
     def _rows(self, a: np.ndarray) -> np.ndarray:
         return a[:self.full * self.run].reshape(self.full, self.run)

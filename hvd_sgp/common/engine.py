@@ -18,8 +18,8 @@ buffers hold the framework's current parameters before and writes them back afte
 staged device tensors and TF variables; nothing where the buffers are the parameters' memory).
 The exchange is PushSum over the cross-node graph (``sgp``, synchronous or overlapped),
 symmetric pairwise averaging (``dpsgd``) or nothing (``allreduce``, where the gradients were
-averaged over the world instead). Lossy codecs gossip through compressed PushSum (choco.py),
-random-k where it can through exact gossip on shared entries (sparse.py; mixers.py chooses);
+averaged over the world instead). Int8 and top-k gossip through compressed PushSum
+(choco.py), random-k through exact gossip on shared entries (sparse.py; mixers.py chooses);
 ``local_steps`` and SlowMo decide which steps communicate (outer.py).
 
 In fault-tolerant mode a lost peer surfaces in any of these operations as PeerLostError. In a
@@ -196,8 +196,12 @@ class GossipEngine:
 
     def _enter(self, stage: schedule.Stage,
                optimizer_state: Callable[[], Sequence] = tuple) -> None:
-        """Switch exchange; every rank switches at the same step, so they stay consistent."""
+        """Switch exchange; every rank switches at the same step, so they stay consistent.
+        Weights kept per entry (random-k where weights move) are folded in exactly first:
+        the new stage's mixers start from weight 1."""
         drain(self.mixers)
+        if any(m.entry_weights() is not None for m in self.mixers):
+            self._average_parameters()
         if self.stage is not None and stage.mode == "allreduce" and self.stage.mode != "allreduce":
             # AllReduce SGD must start from identical parameters and optimizer state
             self._average_parameters()
@@ -473,8 +477,16 @@ class GossipEngine:
 
     def _average_parameters(self) -> None:
         drain(self.mixers)
-        for buf in self.buffers:
-            exact_average(buf, self.cross, self.local)
+        self._fold([m.entry_weights() for m in self.mixers])
+        for mixer in self.mixers:
+            mixer.reset_weights()
+
+    def _fold(self, entry_weights: Sequence) -> None:
+        """The exact average of every buffer, by its slot's weight or, where the mixers kept
+        one per entry, by those (``entry_weights``, one array or None per buffer)."""
+        for i, buf in enumerate(self.buffers):
+            weights = entry_weights[i] if i < len(entry_weights) else None
+            exact_average(buf, self.cross, self.local, weights)
 
     # --- state and figures ---------------------------------------------------------------
     def state(self) -> dict:
@@ -571,6 +583,7 @@ class GossipEngine:
                 self.progress = None
             for mixer in self.mixers:
                 mixer.abandon()
+            entry_weights = [m.entry_weights() for m in self.mixers]
             self.transport.free()
             self.world, self.local, self.cross = change.world, change.local, change.cross
             self.transport = PeerTransport(self.cross, self.options.timeout)
@@ -586,8 +599,7 @@ class GossipEngine:
             self.stage, self.mixers = None, []
             self._enter(schedule.current(self.stages, self.epoch, self.steps))
             held = self._mass()
-            for buf in self.buffers:
-                exact_average(buf, self.cross, self.local)
+            self._fold(entry_weights)
             if self.stage.mode == "allreduce":
                 average_arrays(list(self._optimizer_state()), self.world)
             self.repairs.append({"lost": list(change.lost), "size": self.world.Get_size(),

@@ -2,10 +2,9 @@
 
 - exact and 16-bit codecs push the parameters themselves (pushsum.py; overlap.py under
   Overlap SGP);
-- random-k, where every entry's weight provably stays 1 (synchronous, doubly stochastic
-  mixing), gossips exactly on shared random entries (sparse.py);
-- the other lossy codecs, and random-k where weights move, gossip compressed differences
-  against public copies (choco.py).
+- random-k gossips exactly on shared random entries (sparse.py; with a weight per run where
+  weights move: Overlap SGP, irregular graphs);
+- the other lossy codecs gossip compressed differences against public copies (choco.py).
 """
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ from hvd_sgp.common.codecs import Codec, RandomKCodec, codec as make_codec
 from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.overlap import OverlapMixer
 from hvd_sgp.common.pushsum import PushSumMixer
-from hvd_sgp.common.sparse import SparseMixer
+from hvd_sgp.common.sparse import SparseMixer, SparseOverlapMixer
 from hvd_sgp.common.topology import Topology
 from hvd_sgp.common.transport import ProgressEngine, Transport
 
@@ -32,8 +31,10 @@ def build(buffer, topology: Topology, transport: Transport, *,
     the drift it causes) instead of the codec's own choice (None)."""
     codec = make_codec(codec)
     choco = codec.differential if compressed is None else compressed
-    if (compressed is None and isinstance(codec, RandomKCodec) and progress is None
-            and topology.doubly_stochastic):
+    if compressed is None and isinstance(codec, RandomKCodec):
+        if progress is not None:
+            return SparseOverlapMixer(buffer, topology, transport, progress, local, push_sum,
+                                      codec, max_delay)
         return SparseMixer(buffer, topology, transport, local, push_sum, codec)
     extra = (dict(step=consensus_step, error_feedback=error_feedback) if choco
              else {"in_place": in_place} if progress is not None else {})

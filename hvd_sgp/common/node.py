@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+import numpy as np
+
 from hvd_sgp.common import runtime
 from hvd_sgp.common.arrays import kit_for, mpi_type_of
 from hvd_sgp.common.mpi import MPI
@@ -58,21 +60,32 @@ class NodeShard:
             self.local.Allgatherv(MPI.IN_PLACE, self._spec)
 
 
-def exact_average(buffer, cross: MPI.Comm, local: Optional[MPI.Comm]) -> None:
+def exact_average(buffer, cross: MPI.Comm, local: Optional[MPI.Comm],
+                  entry_weights: Optional[np.ndarray] = None) -> None:
     """Exact consensus: every node gets sum_i(w_i z_i) / sum_i(w_i), and weight 1.
 
     Local rank l averages shard l with the same shard of every other node, weighted by its own
     PushSum weight (the one that shard carried: under overlap the local ranks' weights differ),
-    then the node gathers the shards.
+    or entry by entry by ``entry_weights`` (random-k gossip's per-run weights, on host
+    buffers), then the node gathers the shards. Weights of a shard that no longer matches
+    (a node lost a rank, and the shards were cut anew) are taken as 1.
     """
     part = NodeShard(buffer, local)
     shard = buffer[part.start:part.stop]
-    weight = float(buffer[-1])
-    shard *= weight
-    if cross.Get_size() > 1:
-        part.kit.ready(buffer)
-        cross.Allreduce(MPI.IN_PLACE, shard, op=MPI.SUM)
-    shard /= cross.allreduce(weight)
+    if entry_weights is not None and len(entry_weights) == len(shard):
+        weights = np.array(entry_weights, dtype=np.float64)
+        np.multiply(shard, weights, out=shard, casting="unsafe")
+        if cross.Get_size() > 1:
+            cross.Allreduce(MPI.IN_PLACE, shard, op=MPI.SUM)
+            cross.Allreduce(MPI.IN_PLACE, weights, op=MPI.SUM)
+        np.divide(shard, weights, out=shard, casting="unsafe")
+    else:
+        weight = float(buffer[-1])
+        shard *= weight
+        if cross.Get_size() > 1:
+            part.kit.ready(buffer)
+            cross.Allreduce(MPI.IN_PLACE, shard, op=MPI.SUM)
+        shard /= cross.allreduce(weight)
     buffer[-1] = 1
     part.gather()
 

@@ -101,9 +101,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("schedule", str, None, "exchange schedule, e.g. '0:allreduce,30:sgp2,60:sgp1'"),
     Option("timeout", float, 300.0, "seconds to wait on a silent peer before failing",
            minimum=1e-3, agree="none"),
-    Option("error_feedback", bool, True, "compressed gossip sends later what the codec dropped "
-           "(off: the ablation)"),
-    Option("consensus_step", float, None, "compressed gossip's consensus step gamma, in (0, 1] "
+    Option("error_feedback", bool, True, "int8/top-k gossip sends later what the codec "
+           "dropped (off: the ablation; random-k drops nothing)"),
+    Option("consensus_step", float, None, "int8/top-k gossip's consensus step gamma, in (0, 1] "
            "(default: the codec's)", above=0, maximum=1),
     Option("local_steps", int, 1, "local steps per exchange (Local SGD); SlowMo's period",
            minimum=1),

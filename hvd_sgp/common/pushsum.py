@@ -259,9 +259,18 @@ class PushSumMixer:
         return np.array([share * self.kit.total(values), share])
 
     def state(self) -> dict:
-        """What a checkpoint needs beyond the buffer (compressed gossip's copies); call with
-        nothing in flight."""
+        """What a checkpoint needs beyond the buffer (compressed gossip's copies, random-k's
+        run weights); call with nothing in flight."""
         return {}
+
+    def entry_weights(self) -> Optional[np.ndarray]:
+        """Each shard entry's PushSum weight where a mixer keeps one per entry (random-k
+        gossip where weights move, sparse.py); None: the buffer's weight slot is every
+        entry's."""
+        return None
+
+    def reset_weights(self) -> None:
+        """After an exact average that folded ``entry_weights`` in: every weight is 1."""
 
     def load_state(self, state: dict) -> None:
         """Restore what ``state`` returned."""

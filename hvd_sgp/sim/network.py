@@ -19,6 +19,7 @@ from hvd_sgp.common.codecs import Codec, codec as make_codec, unpack
 from hvd_sgp.common.errors import PeerTimeoutError, SgpError, SgpValueError
 from hvd_sgp.common.mixers import build
 from hvd_sgp.common.pushsum import PushSumMixer, drain, exchange
+from hvd_sgp.common.sparse import SparseMixer
 from hvd_sgp.common.topology import Topology, make_topology
 from hvd_sgp.common.transport import Pending, TransportStats
 
@@ -168,9 +169,9 @@ class SimNetwork:
     ``params`` is an (n, dim) view of every node's de-biased parameters z_i: local steps write
     into it, and every node's mixer works on its own row of the same array.
 
-    ``codec`` encodes the pushes: lossy ones (int8, topk:F, randomk:F) through compressed
-    PushSum with ``consensus_step`` and ``error_feedback``, random-k on synchronous doubly
-    stochastic graphs through exact gossip on shared entries (mixers.py decides;
+    ``codec`` encodes the pushes: int8 and topk:F through compressed PushSum with
+    ``consensus_step`` and ``error_feedback``, randomk:F through exact gossip on shared
+    entries (mixers.py decides;
     ``compressed=True`` forces compressed PushSum for any codec, ``False`` pushes encodings
     naively: the drift it causes).
     """
@@ -229,14 +230,18 @@ class SimNetwork:
         return sum(m.transport.stats.bytes_sent for m in self.mixers)
 
     def weights(self) -> np.ndarray:
-        """Every node's PushSum weight w_i (1 where the mixer does not track it)."""
+        """Every node's PushSum weight w_i (1 where the mixer does not track it), or (n, dim)
+        weights entry by entry where the mixers keep them so (random-k gossip)."""
+        if self.mixers[0].entry_weights() is not None:
+            return np.stack([m.entry_weights() for m in self.mixers])
         if self.mixers[0].track_weight:
             return self.buffers[:, self.dim].copy()
         return np.ones(self.n, dtype=self.buffers.dtype)
 
-    def in_flight(self) -> tuple[np.ndarray, float]:
+    def in_flight(self) -> tuple[np.ndarray, "float | np.ndarray"]:
         """Numerators and weight pushed but not yet summed in: in the mailbox, or arrived and
-        waiting for their node's next step (compressed pushes: from the mixers' ledgers)."""
+        waiting for their node's next step (compressed pushes: from the mixers' ledgers;
+        random-k: weights entry by entry)."""
         if self.compressed:
             flow = sum(m.ledger for m in self.mixers)
             return flow[:-1], float(flow[-1])
@@ -246,6 +251,11 @@ class SimNetwork:
         numerators = np.zeros(self.dim)
         weight = 0.0
         for row in rows:  # a push carries parameters z and a weight share s: mass s z
+            if isinstance(self.mixers[0], SparseMixer):
+                carried, shares = self.mixers[0].carried(row)
+                numerators += carried
+                weight = weight + shares
+                continue
             if self.codec.exact:
                 values, share = row[:self.dim], float(row[self.dim])
             else:
@@ -254,11 +264,13 @@ class SimNetwork:
             weight += share
         return numerators, weight
 
-    def mass(self) -> tuple[np.ndarray, float]:
+    def mass(self) -> tuple[np.ndarray, "float | np.ndarray"]:
         """Sum over nodes of the numerators x_i = w_i z_i and of the weights, plus in flight:
         invariant under mixing."""
         w = self.weights()
         numerators, weight = self.in_flight()
+        if w.ndim == 2:  # entry by entry
+            return (w * self.params).sum(axis=0) + numerators, w.sum(axis=0) + weight
         return (w[:, None] * self.params).sum(axis=0) + numerators, float(w.sum()) + weight
 
     def average(self) -> np.ndarray:
