@@ -129,25 +129,24 @@ class SparseMixer(PushSumMixer):
 
     def add(self, received, sources: list[int]) -> None:
         """Sum the in-peers' values into the drawn entries, each message as PushSum does
-        (z += s / (w + s) (z' - z), w += s), per run where weights are tracked; else every
-        drawn entry starts from the share this node kept (its weight was 1)."""
+        (z += s / (w + s) (z' - z), w += s), per run where weights are tracked."""
         began = time.perf_counter()
         shard = self.buffer[self.start:self.stop]
-        kept = self.topology.phase(self.iteration).self_weights[self.node]
+        # untracked, every weight was 1: a drawn entry starts from the share the node kept
+        weight = self.topology.phase(self.iteration).self_weights[self.node]
         for row, source in zip(received, sources):
             draw = self._message_draw(row, source)
             _, shares, values, share = self._parts(row, draw)
             share = float(share[0])
-            self._check_weight(share, kept, source)
+            self._check_weight(share, weight, source)
             self._check_finite(self.kit.finite(values) and np.isfinite(shares).all()
                                and (shares > 0).all(), source)
             mixed = draw.gather(shard)
             if self.run_weights is None:
-                kept += share
-                mixed += (share / kept) * (values - mixed)
+                weight += share
+                mixed += (share / weight) * (values - mixed)
             else:
-                weight = self.run_weights[draw.runs]
-                total = weight + shares
+                total = self.run_weights[draw.runs] + shares
                 mixed += draw.spread(shares / total).astype(mixed.dtype) * (values - mixed)
                 self.run_weights[draw.runs] = total
             draw.set(shard, mixed)
