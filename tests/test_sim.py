@@ -49,6 +49,15 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert "Parameter deviation" in sweep and "Consensus error" not in sweep
     assert len([line for line in sweep.splitlines() if line.split()[:1] in (["4"], ["8"])]) == 4
 
+    assert main(["--steps", "20", "--topology", "exponential", "--delay", "2",
+                 "--codec", "randomk:0.2,topk:0.2"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()
+            if line.split()[:1] in (["none"], ["randomk:0.2"], ["topk:0.2"])]
+    # error feedback has a row each way only where it applies; no codec moves the average
+    assert [row[:2] for row in rows] == [["none", "—"], ["randomk:0.2", "—"],
+                                         ["topk:0.2", "on"], ["topk:0.2", "off"]], rows
+    assert all(float(row[3]) < 1e-12 for row in rows), rows
+
 
 def test_delays_conserve_mass_and_need_the_debias():
     net = SimNetwork("random", 4, n=32, delay=2, seed=3)

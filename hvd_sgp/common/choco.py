@@ -44,7 +44,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from hvd_sgp.common.codecs import BLOCK, Codec, blocks, codec as make_codec
+from hvd_sgp.common.codecs import BLOCK, Codec, blocks
 from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.overlap import OverlapMixer
@@ -329,8 +329,3 @@ def _store(copies: dict, peer: int, values: np.ndarray) -> None:
         copies[peer][...] = values
     else:
         copies[peer] = values.copy()
-
-
-def compressed(codec: "str | Codec") -> bool:
-    """Whether ``codec`` is gossiped by this module rather than pushed as is."""
-    return make_codec(codec).differential

@@ -48,7 +48,7 @@ from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.node import NodeShard, average_arrays, exact_average
 from hvd_sgp.common.options import SgpOptions
 from hvd_sgp.common.outer import OuterLoop
-from hvd_sgp.common.mixers import build
+from hvd_sgp.common.mixers import build, feeds_back
 from hvd_sgp.common.pushsum import PushSumMixer, drain, exchange, release
 from hvd_sgp.common.topology import BipartiteExponentialGraph, make_topology
 from hvd_sgp.common.transport import PeerTransport, Progress
@@ -676,7 +676,7 @@ def describe_run(options: SgpOptions, codec: Codec = Codec()) -> str:
     label = options.schedule or f"{options.mode} {topology} peers={options.peers}"
     label += f" overlap tau={options.max_delay}" if options.overlap else ""
     if codec.spec != "none":
-        label += f" {codec.spec}" + ("" if options.error_feedback or not codec.differential
+        label += f" {codec.spec}" + ("" if options.error_feedback or not feeds_back(codec)
                                      else " no-ef")
     label += f" H={options.local_steps}" if options.local_steps > 1 else ""
     return label + (f" slowmo={options.slowmo:g}" if options.slowmo is not None else "")

@@ -20,6 +20,14 @@ from hvd_sgp.common.topology import Topology
 from hvd_sgp.common.transport import ProgressEngine, Transport
 
 
+def feeds_back(codec: "str | Codec") -> bool:
+    """Whether ``error_feedback`` changes how ``codec`` gossips: compressed PushSum drops what
+    int8 and top-k leave out (and sends it later with feedback); random-k gossip drops
+    nothing."""
+    codec = make_codec(codec)
+    return codec.differential and not isinstance(codec, RandomKCodec)
+
+
 def build(buffer, topology: Topology, transport: Transport, *,
           local: Optional[MPI.Comm] = None, push_sum: bool = True,
           codec: "str | Codec | None" = None, progress: Optional[ProgressEngine] = None,

@@ -3,8 +3,9 @@
 Three reports: consensus error per step under pure mixing (lr = 0) per topology; parameter
 deviation at the end of training against n and lr; and the effect of delays (tau) and of
 dropping the de-bias. ``--sweep nodes=...`` / ``--sweep lr=...`` prints only the second.
-``--codec int8,topk:0.1,...`` adds a fourth: each codec with and without error feedback
-(pure mixing from spread-out nodes, training from a common start, bytes per node per step).
+``--codec int8,topk:0.1,...`` adds a fourth: each codec with and without error feedback where
+it applies (pure mixing from spread-out nodes, training from a common start, bytes per node
+per step).
 ``--local-steps H`` gossips every H steps in every report.
 """
 from __future__ import annotations
@@ -144,10 +145,10 @@ def _delay_report(args: argparse.Namespace, base: dict) -> list[dict]:
 
 
 def _compression_report(args: argparse.Namespace, base: dict) -> list[dict]:
-    """Per codec and error-feedback setting: consensus error and drift of the network average
+    """Per codec and error-feedback setting (where it applies): consensus error and drift of the network average
     under pure mixing from spread-out nodes; deviation and loss of training from a common
     start; bytes one node pushes per step."""
-    from hvd_sgp.common.codecs import codec as make_codec
+    from hvd_sgp.common.mixers import feeds_back
 
     topology = args.topologies[0]
     print(f"\nCompressed gossip ({topology}, {args.nodes} nodes, {args.dim} parameters, after "
@@ -155,13 +156,14 @@ def _compression_report(args: argparse.Namespace, base: dict) -> list[dict]:
           f"training deviation (loss) at lr={args.lr} from a common start")
     rows, records = [], []
     for spec in ["none"] + [c for c in args.codecs if c != "none"]:
-        for feedback in (True, False) if make_codec(spec).differential else (True,):
+        for feedback in (True, False) if feeds_back(spec) else (True,):
             common = dict(base, topology=topology, nodes=args.nodes, delay=args.delay,
                           debias=not args.no_debias, codec=spec, error_feedback=feedback,
                           consensus_step=args.consensus_step)
             mix = _run("compression", lr=0.0, **common)
             train = _run("compression", lr=args.lr, spread=0.0, **common)
-            rows.append([spec, "on" if feedback else "off", mix[-1]["consensus_error"],
+            rows.append([spec, ("on" if feedback else "off") if feeds_back(spec) else "—",
+                         mix[-1]["consensus_error"],
                          mix[-1]["drift"],
                          f"{train[-1]['deviation']:.3e} ({train[-1]['loss']:.4g})",
                          f"{train[-1]['bytes']:.0f}"])
