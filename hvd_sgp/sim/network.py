@@ -171,9 +171,8 @@ class SimNetwork:
 
     ``codec`` encodes the pushes: int8 and topk:F through compressed PushSum with
     ``consensus_step`` and ``error_feedback``, randomk:F through exact gossip on shared
-    entries (mixers.py decides;
-    ``compressed=True`` forces compressed PushSum for any codec, ``False`` pushes encodings
-    naively: the drift it causes).
+    entries (mixers.py decides; ``compressed=True`` forces compressed PushSum for any codec,
+    ``False`` pushes encodings naively: the drift it causes).
     """
 
     def __init__(self, topology: Union[str, Topology], dim: int, n: Optional[int] = None,
