@@ -121,6 +121,30 @@ def check_overlap_tau2_ledger():
 
 
 @checks
+def check_random_k_overlap_repair():
+    """Random-k under Overlap SGP tau = 2, pure mixing: every run of entries has a weight of
+    its own. The repair folds the survivors' run weights in (after it every weight is 1), so
+    from there on each entry's weights sum to the survivors' number, and an exact average
+    leaves one model."""
+    size, victim = hvd.size(), origin(2)
+    model, opt = make(overlap=True, max_delay=2, lr_zero=True,
+                      compression=hvd.Compression.randomk(0.5))
+    train(opt, model, 25, {6: ((victim,), how())}, lr_zero=True)
+    engine = opt._sgp_session().engine
+    opt.synchronize_gossip()
+    weights = hvd.allreduce(torch.from_numpy(engine.mixers[0].entry_weights()), op=hvd.Sum)
+    opt.average_parameters()
+    spread = hvd.allreduce(params(model), op=hvd.Max) - hvd.allreduce(params(model), op=hvd.Min)
+    checks.verify(f"random-k osgp: {size} -> {hvd.size()} ranks, each entry's weights sum to "
+                  f"{float(weights.min()):.6f}..{float(weights.max()):.6f}, one model after "
+                  f"the average", hvd.size() == size - 1
+                  and engine.repairs[-1]["lost"] == [victim]
+                  and float((weights - hvd.size()).abs().max()) < 1e-9
+                  and float(spread.abs().max()) < 1e-6,
+                  f"spread {float(spread.abs().max())}")
+
+
+@checks
 def check_allreduce_stage():
     """A schedule's AllReduce stage: the survivors' models stay identical after the repair."""
     size, victim = hvd.size(), origin(hvd.size() // 2)
