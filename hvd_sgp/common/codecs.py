@@ -38,10 +38,21 @@ class Codec:
     differential: ClassVar[bool] = False  # gossiped as differences to public copies (choco.py)
     consensus_step: ClassVar[float] = 1.0  # the compressed gossip's default step (choco.py)
 
+    def __init__(self) -> None:
+        self._work: dict[tuple[np.dtype, int], np.ndarray] = {}
+
     @property
     def spec(self) -> str:
         """The text that names this codec (``HVD_SGP_COMPRESSION`` syntax)."""
         return self.name
+
+    def work(self, dtype, slot: int = 0) -> np.ndarray:
+        """A reused block-sized scratch array (``slot`` tells several apart), for codecs
+        that work block by block."""
+        key = (np.dtype(dtype), slot)
+        if key not in self._work:
+            self._work[key] = np.empty(BLOCK, dtype)
+        return self._work[key]
 
     def nbytes(self, n: int) -> int:
         """Bytes that n values take on the wire (without the weight)."""
@@ -95,19 +106,17 @@ class BF16Codec(Codec):
     name, exact, cast, compressor = "bf16", False, "bfloat16", "BF16Compressor"
 
     def __init__(self) -> None:
-        self._work = np.empty(0, np.uint32)
+        super().__init__()
         self._decoded = np.empty(0, np.float32)
 
     def nbytes(self, n: int) -> int:
         return 2 * n
 
     def encode(self, values: np.ndarray, out: np.ndarray) -> None:
-        if len(self._work) < min(BLOCK, len(values)):
-            self._work = np.empty(BLOCK, np.uint32)
-        codes = out.view(np.uint16)
+        codes, work = out.view(np.uint16), self.work(np.uint32)
         for start, stop in blocks(len(values)):
             block = np.ascontiguousarray(values[start:stop], dtype=np.float32)
-            bits, tie = block.view(np.uint32), self._work[:stop - start]
+            bits, tie = block.view(np.uint32), work[:stop - start]
             np.right_shift(bits, 16, out=tie)
             tie &= np.uint32(1)
             tie += np.uint32(0x7FFF)
@@ -153,16 +162,6 @@ class _Lossy(Codec):
     message decodes to into a copy, both block by block (no model-sized temporary)."""
 
     exact, differential = False, True
-
-    def __init__(self) -> None:
-        self._work: dict[tuple[np.dtype, int], np.ndarray] = {}
-
-    def work(self, dtype, slot: int = 0) -> np.ndarray:
-        """A reused block-sized scratch array (``slot`` tells several apart)."""
-        key = (np.dtype(dtype), slot)
-        if key not in self._work:
-            self._work[key] = np.empty(BLOCK, dtype)
-        return self._work[key]
 
     def encode(self, values: np.ndarray, out: np.ndarray) -> None:
         self.encode_delta(values, None, out)

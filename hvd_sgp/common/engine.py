@@ -200,11 +200,12 @@ class GossipEngine:
         Weights kept per entry (random-k where weights move) are folded in exactly first:
         the new stage's mixers start from weight 1."""
         drain(self.mixers)
-        if any(m.entry_weights() is not None for m in self.mixers):
+        # AllReduce SGD must start from identical parameters and optimizer state
+        to_allreduce = (self.stage is not None and stage.mode == "allreduce"
+                        and self.stage.mode != "allreduce")
+        if to_allreduce or any(m.entry_weights() is not None for m in self.mixers):
             self._average_parameters()
-        if self.stage is not None and stage.mode == "allreduce" and self.stage.mode != "allreduce":
-            # AllReduce SGD must start from identical parameters and optimizer state
-            self._average_parameters()
+        if to_allreduce:
             average_arrays(list(optimizer_state()), self.world)
         was_tracking = self.stage is not None and self.tracks_weight
         self.stage = stage

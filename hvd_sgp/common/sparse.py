@@ -129,11 +129,13 @@ class SparseMixer(PushSumMixer):
 
     def add(self, received, sources: list[int]) -> None:
         """Sum the in-peers' values into the drawn entries, each message as PushSum does
-        (z += s / (w + s) (z' - z), w += s), per run where weights are tracked."""
+        (z += s / (w + s) (z' - z), w += s), per run where weights are tracked. Consecutive
+        messages of one draw (a synchronous iteration's) share one gather and one set."""
         began = time.perf_counter()
         shard = self.buffer[self.start:self.stop]
         # untracked, every weight was 1: a drawn entry starts from the share the node kept
         weight = self.topology.phase(self.iteration).self_weights[self.node]
+        current, mixed = None, None
         for row, source in zip(received, sources):
             draw = self._message_draw(row, source)
             _, shares, values, share = self._parts(row, draw)
@@ -141,7 +143,10 @@ class SparseMixer(PushSumMixer):
             self._check_weight(share, weight, source)
             self._check_finite(self.kit.finite(values) and np.isfinite(shares).all()
                                and (shares > 0).all(), source)
-            mixed = draw.gather(shard)
+            if draw is not current:
+                if current is not None:
+                    current.set(shard, mixed)
+                current, mixed = draw, draw.gather(shard)
             if self.run_weights is None:
                 weight += share
                 mixed += (share / weight) * (values - mixed)
@@ -149,7 +154,8 @@ class SparseMixer(PushSumMixer):
                 total = self.run_weights[draw.runs] + shares
                 mixed += draw.spread(shares / total).astype(mixed.dtype) * (values - mixed)
                 self.run_weights[draw.runs] = total
-            draw.set(shard, mixed)
+        if current is not None:
+            current.set(shard, mixed)
         self.codec_seconds += time.perf_counter() - began
 
     def entry_weights(self) -> Optional[np.ndarray]:

@@ -109,6 +109,7 @@ class CompressorCodec(Codec):
     exact = False
 
     def __init__(self, compressor: Any, tensors: Tensors):
+        super().__init__()
         self.compressor, (self.to_tensor, self.to_numpy) = compressor, tensors
         self._layouts: dict[int, tuple[np.dtype, tuple, Any]] = {}
 
