@@ -40,10 +40,10 @@ from typing import Callable, Optional, Protocol, Sequence, TypeVar
 
 import numpy as np
 
-from hvd_sgp.common import recovery, runtime, schedule, telemetry
+from hvd_sgp.common import recovery, runtime, schedule, telemetry, watchdog
 from hvd_sgp.common.arrays import kit_for
 from hvd_sgp.common.codecs import Codec, codec as make_codec
-from hvd_sgp.common.errors import ConsistencyError, PeerLostError, PeerTimeoutError, SgpValueError
+from hvd_sgp.common.errors import ConsistencyError, PeerLostError, SgpValueError
 from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.node import NodeShard, average_arrays, exact_average
 from hvd_sgp.common.options import SgpOptions
@@ -52,6 +52,7 @@ from hvd_sgp.common.mixers import build, feeds_back
 from hvd_sgp.common.pushsum import PushSumMixer, drain, exchange, release
 from hvd_sgp.common.topology import BipartiteExponentialGraph, make_topology
 from hvd_sgp.common.transport import PeerTransport, Progress
+from hvd_sgp.common.waiting import Wait
 
 T = TypeVar("T")
 
@@ -103,6 +104,7 @@ class GossipEngine:
         if any(s.overlap for s in self.stages) and not runtime.mpi_threads_supported():
             raise SgpValueError("Overlap SGP needs MPI_THREAD_MULTIPLE, which this MPI did not "
                                 "grant; use an MPI built with thread support or overlap=False")
+        watchdog.set_timeout(options.timeout)
         self.transport = PeerTransport(self.cross, options.timeout)
         path = telemetry.timeline_path()
         if succeeds is not None:
@@ -161,7 +163,7 @@ class GossipEngine:
         ``access`` off: the action does not need the buffers to hold the parameters."""
         while True:
             try:
-                with recovery.translated(what):
+                with recovery.translated(what), watchdog.doing(what, self.steps):
                     return self._live(action) if access else action()
             except PeerLostError:
                 if not recovery.repairs_in_step():
@@ -394,14 +396,10 @@ class GossipEngine:
         self._serving = True
         try:
             if self._server is not None:
-                deadline = time.monotonic() + self.transport.timeout
-                while self._server.is_alive():
-                    if time.monotonic() > deadline:
-                        raise PeerTimeoutError(
-                            f"a joined rank waited {self.transport.timeout:.0f} s for its "
-                            f"peers to take step {self._serve_target} (HVD_SGP_TIMEOUT)")
-                    poll()
-                    self._server.join(1e-3)
+                server = self._server
+                Wait("a served step", lambda: "the peers of this joined rank",
+                     self.transport.timeout, self._serve_target).until(
+                         lambda: poll() or server.join(1e-3) or not server.is_alive())
                 self._end_served_step()
             while self.steps < last:
                 self._served_step()
@@ -412,26 +410,21 @@ class GossipEngine:
         if self._resync_source is not None:
             self._live(self._resync_optimizer_state)
 
-    def _wait(self, request: MPI.Request, what: str) -> None:
+    def _wait(self, request: MPI.Request, what: str, comm: MPI.Comm) -> None:
         """Wait for a non-blocking collective within HVD_SGP_TIMEOUT."""
-        deadline, pause = time.monotonic() + self.transport.timeout, 2e-6
-        while not request.Test():
-            if time.monotonic() > deadline:
-                raise PeerTimeoutError(f"waited {self.transport.timeout:.0f} s at iteration "
-                                       f"{self.steps} for the {what} (HVD_SGP_TIMEOUT)")
-            time.sleep(pause)
-            pause = min(pause * 2, 5e-4)
+        Wait(what, lambda: f"the other ranks of its group of {comm.Get_size()}",
+             self.transport.timeout, self.steps).until(request.Test)
 
     def _resync(self, comm: MPI.Comm) -> None:
         """After a step where some ranks of ``comm`` had joined: those ranks did not update,
         so the lowest rank that did sends its parameters (which every rank that updated
         shares) to the group, before shards are mixed or gathered."""
         mine = np.array([comm.Get_size() if self._serving else comm.Get_rank()], np.int64)
-        self._wait(comm.Iallreduce(MPI.IN_PLACE, mine, op=MPI.MIN), "join re-sync")
+        self._wait(comm.Iallreduce(MPI.IN_PLACE, mine, op=MPI.MIN), "join re-sync", comm)
         self._joined_group, self._resync_source = None, (comm, int(mine[0]))
         for buf in self.buffers:  # not the weight: under Overlap SGP each rank has its own
             with kit_for(buf).for_mpi(buf) as view:
-                self._wait(comm.Ibcast(view[:-1], root=int(mine[0])), "join re-sync")
+                self._wait(comm.Ibcast(view[:-1], root=int(mine[0])), "join re-sync", comm)
 
     def _resync_optimizer_state(self) -> None:
         """At the end of join(): the optimizer state (momentum, moments) of the ranks that

@@ -130,6 +130,19 @@ def translated(what: str) -> Iterator[None]:
         raise lost(f"a peer was lost during {what} ({error.Get_error_string()})") from error
 
 
+def free(comm: Optional[MPI.Comm]) -> None:
+    """Free a communicator while MPI runs. After a lost peer (fault-tolerant mode) a revoked
+    one may refuse, and is left to MPI; the one tolerant free of every communicator hvd_sgp
+    owns."""
+    if comm is None or comm == MPI.COMM_NULL or MPI.Is_finalized():
+        return
+    try:
+        comm.Free()
+    except MPI.Exception:
+        if not _status.enabled:
+            raise
+
+
 def failure_pending() -> bool:
     """A PeerLostError was raised here and no repair has run since (TF's op errors wrap ours)."""
     return _status.failure_noticed

@@ -25,10 +25,11 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from hvd_sgp.common import discovery, fault_record, options, recovery
+from hvd_sgp.common import discovery, fault_record, options, recovery, watchdog
 from hvd_sgp.common.errors import (NotInitializedError, OptionError, PeerLostError,
                                    PeerTimeoutError, SgpError, SgpValueError)
 from hvd_sgp.common.mpi import MPI
+from hvd_sgp.common.watchdog import watched
 
 
 @dataclass(frozen=True)
@@ -67,9 +68,7 @@ def detect_launcher(environ: Optional[dict] = None) -> Launcher:
 class _State:
     def __init__(self, world: MPI.Comm, local: MPI.Comm, cross: MPI.Comm, thread_level: int,
                  node: Any, origin: int, entries: list, host: str):
-        self.world = world
-        self.local = local
-        self.cross = cross
+        self.world, self.local, self.cross = watched(world), watched(local), watched(cross)
         self.thread_level = thread_level
         self.origin = origin  # the rank at init (a replacement's: new): names a rank for good
         self.node = node  # what makes ranks one node: HVD_SGP_LOCAL_SIZE group or host name
@@ -140,6 +139,8 @@ def init(comm: Optional[MPI.Comm] = None) -> None:
             _state.discovered = discovered
             _state.allocated = {name for name, _ in discovered}
     recovery.configure(_world_revoked, _state.origin)
+    watchdog.start(_state.world, _state.origins, float(options.from_environment("timeout")),
+                   _state.thread_level >= MPI.THREAD_MULTIPLE)
     _abort_on_uncaught_errors()
 
 
@@ -199,18 +200,9 @@ def shutdown() -> None:
         return
     with _lock:
         comms, _state = (_state.cross, _state.local, _state.world), None
+    watchdog.stop()
     for comm in comms:
-        _free(comm)
-
-
-def _free(comm: MPI.Comm) -> None:
-    """Free a communicator; one a failure revoked may refuse, and is then left to MPI."""
-    if MPI.Is_finalized():
-        return
-    try:
-        comm.Free()
-    except MPI.Exception:
-        pass
+        recovery.free(comm)
 
 
 atexit.register(shutdown)
@@ -333,6 +325,7 @@ def _abort_on_uncaught_errors() -> None:
         if recovery.enabled():
             recovery.leave()
         if not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
+            watchdog.announce(f"raised {kind.__name__}: {value}")  # every rank says why
             MPI.COMM_WORLD.Abort(1)
 
     hook.hvd_sgp_abort = True
@@ -502,10 +495,10 @@ def _install(state: _State, world: MPI.Comm, local: MPI.Comm, cross: MPI.Comm,
              entries: list) -> None:
     with _lock:
         old = (state.world, state.local, state.cross)
-        state.world, state.local, state.cross = world, local, cross
+        state.world, state.local, state.cross = watched(world), watched(local), watched(cross)
         state.remember(entries)
     for comm in old:
-        _free(comm)
+        recovery.free(comm)
 
 
 # --- growing back: replacements for the lost ranks ------------------------------------------
@@ -767,7 +760,7 @@ def _settle(merged: MPI.Comm, plan: dict, origin: int, node: Any,
         world = merged.Split(0, key=plan["slots"][origin])
     finally:
         untrack(merged)
-        _free(merged)
+        recovery.free(merged)
     entries = world.allgather((origin, node, host))
     local, cross = _regroup(world, [(o, n) for o, n, _ in entries])
     return world, local, cross, entries

@@ -7,15 +7,14 @@ both become PeerLostError instead (see recovery.py), which the survivors repair.
 """
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
 from hvd_sgp.common import recovery, runtime
-from hvd_sgp.common.errors import PeerTimeoutError, on_rank
 from hvd_sgp.common.mpi import MPI
+from hvd_sgp.common.waiting import Wait
 
 _TAG_SPACE = 32767  # the MPI standard guarantees tags up to this
 DEFAULT_TIMEOUT = 300.0  # seconds; the optimizers take theirs from the options table
@@ -51,39 +50,6 @@ class Pending:
 
     def sources(self) -> list[int]:
         return [peer for peer, kind in zip(self.peers, self.kinds) if kind == "receive"]
-
-
-class Deadline:
-    """The waiting policy shared by every blocking wait on peers: a stall warning naming the
-    late peers after STALL_FRACTION of the timeout (like Horovod's stall check), then a
-    PeerTimeoutError naming them and the iteration."""
-
-    STALL_FRACTION = 0.2
-
-    def __init__(self, transport: "PeerTransport", pending: "Pending", began: float):
-        self.transport = transport
-        self.pending = pending
-        self.began = began
-        self.warned = False
-
-    def check(self, late: Callable[[], Sequence[bool]]) -> None:
-        waited = time.monotonic() - self.began
-        timeout = self.transport.timeout
-        if waited > timeout:
-            who = self.transport.describe(self.pending, late())
-            if recovery.enabled():
-                raise recovery.lost(f"waited {timeout:.0f} s at iteration "
-                                    f"{self.pending.iteration} for {who}: declared failed")
-            raise PeerTimeoutError(
-                f"waited {timeout:.0f} s at iteration {self.pending.iteration} for {who} "
-                "(dead or frozen peer, or ranks running different steps); raise "
-                "HVD_SGP_TIMEOUT if this is a slow start")
-        if not self.warned and waited > self.STALL_FRACTION * timeout:
-            self.warned = True
-            who = self.transport.describe(self.pending, late())
-            print(on_rank(f"stalled {waited:.0f} s at iteration {self.pending.iteration} "
-                          f"waiting for {who}; the job fails after {timeout:.0f} s"),
-                  file=sys.stderr, flush=True)
 
 
 class Transport(Protocol):
@@ -170,13 +136,15 @@ class PeerTransport:
         began = time.monotonic()
         with recovery.translated(f"the exchange of iteration {pending.iteration}"):
             if not MPI.Request.Testall(pending.requests):
-                deadline = Deadline(self, pending, began)
-                pause = 2e-6
-                while not MPI.Request.Testall(pending.requests):
-                    deadline.check(lambda: [not req.Test() for req in pending.requests])
-                    time.sleep(pause)
-                    pause = min(pause * 2, 5e-4)
+                self.waiting(pending, lambda: [not r.Test() for r in pending.requests],
+                             began).until(lambda: MPI.Request.Testall(pending.requests))
         self.record_wait(pending, began)
+
+    def waiting(self, pending: Pending, late: Callable[[], Sequence[bool]],
+                began: float) -> Wait:
+        """The wait on ``pending``'s peers; ``late()`` flags its requests not yet complete."""
+        return Wait("the exchange", lambda: self.describe(pending, late()), self.timeout,
+                    pending.iteration, began=began)
 
     def record_wait(self, pending: Pending, began: float) -> None:
         """Count a finished wait (and draw it on the timeline)."""
@@ -196,12 +164,7 @@ class PeerTransport:
 
     def free(self) -> None:
         runtime.untrack(self.comm)
-        if not MPI.Is_finalized():
-            try:
-                self.comm.Free()
-            except MPI.Exception:
-                if not recovery.enabled():
-                    raise  # a revoked communicator (after a lost peer) is left to MPI
+        recovery.free(self.comm)
 
 
 def _nbytes(buf: Any) -> int:
@@ -274,10 +237,11 @@ class Progress:
 
     def _wait(self, pending: Pending, ready) -> None:
         began = time.monotonic()
-        deadline = Deadline(self.transport, pending, began)
+        wait = self.transport.waiting(pending, lambda: [not done for done in pending.complete],
+                                      began)
         with self._cond:
             while not ready(pending) and pending.error is None:
-                deadline.check(lambda: [not done for done in pending.complete])
+                wait.due()
                 self._cond.wait(0.5)
         if pending.error is not None:
             with recovery.translated(f"the exchange of iteration {pending.iteration}"):

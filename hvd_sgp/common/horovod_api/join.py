@@ -31,17 +31,18 @@ negotiation checks the number).
 """
 from __future__ import annotations
 
-import sys
 import time
 from typing import Callable, Protocol
 
 import numpy as np
 
-from hvd_sgp.common.errors import SgpValueError, on_rank
+from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.common.horovod_api import negotiation, process_sets
 from hvd_sgp.common.horovod_api.collectives import Handle
 from hvd_sgp.common.horovod_api.negotiation import JOIN, Kind, Request
 from hvd_sgp.common.mpi import MPI
+from hvd_sgp.common.waiting import Wait
+from hvd_sgp.common.watchdog import doing, roll_call
 
 
 class JoinParticipant(Protocol):
@@ -104,23 +105,22 @@ class _Watch:
     nothing moves: no response, no participant work for HVD_SGP_TIMEOUT seconds."""
 
     def __init__(self, ctl: negotiation.Controller):
-        self.ctl, self.idle_since, self.warned = ctl, time.monotonic(), False
+        self.ctl = ctl
+        self.wait = self._wait()
+
+    def _wait(self) -> Wait:
+        settings = self.ctl.settings
+        return Wait("join()", self._awaited, settings.timeout, fail=self.ctl.fail,
+                    stall=settings.stall_warning)
+
+    def _awaited(self) -> str:
+        return self.ctl.missing_joins() or f"the ranks that have not joined ({roll_call()})"
 
     def check(self, moved: bool) -> None:
-        now = time.monotonic()
         if moved:
-            self.idle_since, self.warned = now, False
-            return
-        idle, settings = now - self.idle_since, self.ctl.settings
-        who = self.ctl.missing_joins() or "the ranks that have not joined"
-        if idle > settings.timeout:
-            self.ctl.fail(f"join timed out: nothing moved for {settings.timeout:.0f} s while "
-                          f"waiting for {who} (HVD_SGP_TIMEOUT)")
-        elif settings.stall_warning is not None and idle > settings.stall_warning \
-                and not self.warned:
-            self.warned = True
-            print(on_rank(f"stall: join() has seen nothing move for {idle:.0f} s while "
-                          f"waiting for {who}"), file=sys.stderr, flush=True)
+            self.wait = self._wait()
+        else:
+            self.wait.due()
 
 
 def join(device: int = -1) -> int:
@@ -130,6 +130,13 @@ def join(device: int = -1) -> int:
     process_sets.ensure_started()
     _joining[0] = True
     try:
+        return _join()
+    finally:
+        _joining[0] = False
+
+
+def _join() -> int:
+    with doing("join()"):
         with negotiation.lock():
             ops = [ctl.submit(Request(JOIN, JOIN, extra=(len(_participants) if sid == 0 else 0,)),
                               None)
@@ -152,5 +159,3 @@ def join(device: int = -1) -> int:
         for participant, iteration in zip(_participants, agreed):
             participant.finish(int(iteration), poll)
         return int(last)
-    finally:
-        _joining[0] = False

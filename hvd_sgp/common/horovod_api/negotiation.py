@@ -552,12 +552,7 @@ class Controller:
                     notify=False, error=HorovodInternalError)
         self.closed = True
         runtime.untrack(self.comm)
-        if not MPI.Is_finalized():
-            try:
-                self.comm.Free()
-            except MPI.Exception:
-                if not recovery.enabled():
-                    raise  # a communicator revoked after a lost peer is left to MPI
+        recovery.free(self.comm)
 
 
 JOIN = "join"  # the name (and kind) of join's request

@@ -14,7 +14,6 @@ numbering, and some of them are gone (re-add them in an elastic reset callback).
 from __future__ import annotations
 
 import os
-import time
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
 from hvd_sgp.common import recovery, runtime
@@ -22,6 +21,7 @@ from hvd_sgp.common.errors import CollectiveTimeoutError, NotInitializedError, S
 from hvd_sgp.common.horovod_api import negotiation
 from hvd_sgp.common.horovod_api.negotiation import Controller, Kind, Settings
 from hvd_sgp.common.mpi import MPI
+from hvd_sgp.common.waiting import Wait
 
 
 class ProcessSet:
@@ -93,7 +93,7 @@ def start(settings: Settings) -> None:
     negotiation.controllers[0] = Controller(_dup(world, settings.timeout), 0, range(n), settings)
     host = world.Split_type(MPI.COMM_TYPE_SHARED)
     negotiation.set_crowded(host.Get_size() > len(os.sched_getaffinity(0)))
-    host.Free()
+    recovery.free(host)
     _sets[0] = _Registered(tuple(range(n)), world)
     global_process_set.ranks = list(range(n))
     _world = world
@@ -204,14 +204,9 @@ def _dup(comm: MPI.Comm, timeout: float) -> MPI.Comm:
     """A private duplicate of ``comm``, waiting for the other ranks under the deadline."""
     new, request = comm.Idup()
     runtime.track(new)  # revoked with the world when a peer is lost (fault-tolerant mode)
-    began, pause = time.monotonic(), 0.0
-    while not request.Test():
-        if time.monotonic() - began > timeout:
-            raise CollectiveTimeoutError(
-                f"not every rank started hvd_sgp's collectives within {timeout:.0f} s "
-                "(HVD_SGP_TIMEOUT): call hvd.init() on every rank")
-        pause = min(max(pause * 2, 5e-5), negotiation.MAX_PAUSE_SECONDS)
-        time.sleep(pause)
+    Wait("the start of hvd_sgp's collectives", lambda: "the ranks that have not started them",
+         timeout, error=CollectiveTimeoutError, hint="(call hvd.init() on every rank)").until(
+             request.Test)
     return new
 
 
@@ -220,13 +215,8 @@ def _drop(sid: int) -> None:
     if ctl is not None:
         ctl.close()
     registered = _sets.pop(sid, None)
-    if sid != 0 and registered is not None and registered.comm is not None \
-            and not MPI.Is_finalized():
-        try:
-            registered.comm.Free()
-        except MPI.Exception:
-            if not recovery.enabled():
-                raise  # after a lost peer a communicator may refuse: left to MPI
+    if sid != 0 and registered is not None:
+        recovery.free(registered.comm)
     for ps in _objects.pop(sid, []):
         ps.process_set_id = None
 
