@@ -53,7 +53,7 @@ write_conf() {
     cat >"$CONF" <<EOF
 # Written by scripts/slurm_cluster.sh: one node, root everywhere, no cgroups, no accounting.
 ClusterName=hvdsgp
-SlurmctldHost=$NODE
+SlurmctldHost=$NODE(127.0.0.1)
 SlurmctldPort=$CTLD_PORT
 SlurmdPort=$((CTLD_PORT + 1))
 SlurmUser=root
@@ -79,7 +79,7 @@ ReturnToService=2
 MpiDefault=none
 KillWait=5
 InactiveLimit=0
-NodeName=$NODE CPUs=$CPUS State=UNKNOWN
+NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS State=UNKNOWN
 PartitionName=debug Nodes=$NODE Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 EOF
 }
@@ -111,14 +111,24 @@ up() {
     echo "export SLURM_CONF=$CONF"
 }
 
-# Stop the daemon whose pid file is $1 with SIGTERM, then SIGKILL after 10 s.
+# Stop the daemons whose pid files are given: SIGTERM, then SIGKILL after 2 s (slurmctld takes
+# up to 7 s to save a state that is thrown away; no job is left when down() calls this).
 stop() {
-    local pidfile=$1 pid
-    [ -s "$pidfile" ] || return 0
-    pid=$(cat "$pidfile")
-    kill "$pid" 2>/dev/null || { rm -f "$pidfile"; return 0; }
-    wait_for 10 sh -c "! kill -0 $pid" || kill -9 "$pid" 2>/dev/null || true
-    rm -f "$pidfile"
+    local pidfile pid pids=()
+    for pidfile in "$@"; do
+        pid=$(cat "$pidfile" 2>/dev/null) || continue
+        # Only the daemon the file names: after a crash its pid may belong to another process.
+        if [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$(basename "$pidfile" .pid)" ]; then
+            pids+=("$pid")
+        fi
+    done
+    [ "${#pids[@]}" -gt 0 ] || { rm -f "$@"; return 0; }
+    kill "${pids[@]}" 2>/dev/null || true
+    wait_for 2 sh -c "! { $(printf 'kill -0 %s 2>/dev/null || ' "${pids[@]}") false; }" \
+        || kill -9 "${pids[@]}" 2>/dev/null || true
+    wait_for 5 sh -c "! { $(printf 'kill -0 %s 2>/dev/null || ' "${pids[@]}") false; }" \
+        || die "processes ${pids[*]} did not end"
+    rm -f "$@"
 }
 
 down() {
@@ -127,9 +137,7 @@ down() {
         timeout 10 scancel --quiet --full --user=root 2>/dev/null || true
         wait_for 15 sh -c '[ -z "$(squeue -h -o %i)" ]' || true
     fi
-    stop "$DIR/slurmd.pid"
-    stop "$DIR/slurmctld.pid"
-    stop "$DIR/munged.pid"
+    stop "$DIR/slurmd.pid" "$DIR/slurmctld.pid" "$DIR/munged.pid"
 }
 
 case "${1:-}" in
