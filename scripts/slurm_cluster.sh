@@ -10,7 +10,8 @@
 # socket, slurm.conf, state, logs. Nothing in /etc is changed, so the Slurm commands find the
 # cluster through SLURM_CONF. The node is this host (hostname -s) with SLURM_CLUSTER_CPUS CPUs
 # (default 4, whatever the machine has: config_overrides lets 4 ranks run on 2 cores) in one
-# partition, "debug", that oversubscribes.
+# partition, "debug", that oversubscribes; slurmctld listens on SLURM_CLUSTER_PORT (default
+# 6817) and slurmd on the port after it.
 set -euo pipefail
 
 DIR="${SLURM_CLUSTER_DIR:-/tmp/hvd-sgp-slurm}"
@@ -19,7 +20,7 @@ CTLD_PORT="${SLURM_CLUSTER_PORT:-6817}"
 NODE="$(hostname -s)"
 CONF="$DIR/slurm.conf"
 # Debian's PMIx plugin (mpi_pmix_v4.so) dlopens pmix2/lib/libpmix.so, which only libpmix-dev
-# ships: without it `srun --mpi=pmix` fails with "Couldn't find the specified plugin name".
+# ships: without it `srun --mpi=pmix` fails with "can not load PMIx library".
 PACKAGES=(slurm-wlm munge libpmix-dev)
 
 die() { echo "slurm_cluster: $*" >&2; exit 1; }
