@@ -86,7 +86,8 @@ def make_parser() -> argparse.ArgumentParser:
 
     launch = parser.add_argument_group("launcher")
     launch.add_argument("--launcher", choices=("auto", "mpirun", "srun"), default="auto",
-                        help="auto: srun inside a Slurm job (SLURM_JOB_ID set), mpirun otherwise")
+                        help="auto: srun inside a Slurm job (SLURM_JOB_ID set) unless "
+                             "--fault-tolerant, mpirun otherwise")
     launch.add_argument("--mpi-launcher", metavar="PATH",
                         help="mpirun/mpiexec to use (default: the one beside this Python)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
@@ -249,9 +250,11 @@ def launcher_flavour(launcher: str, env: Mapping[str, str]) -> tuple[str, int]:
 
 
 def detect_site(args: argparse.Namespace, env: Mapping[str, str]) -> Site:
-    """Find the launcher (srun in Slurm, else ``--mpi-launcher``, else the mpirun beside Python)."""
+    """Find the launcher (srun in Slurm, else ``--mpi-launcher``, else the mpirun beside Python).
+    ``--fault-tolerant`` in Slurm takes mpirun: ULFM lives in Open MPI's runtime, not srun's."""
     use_srun = args.launcher == "srun" or (
-        args.launcher == "auto" and "SLURM_JOB_ID" in env and args.mpi_launcher is None)
+        args.launcher == "auto" and "SLURM_JOB_ID" in env and args.mpi_launcher is None
+        and not args.fault_tolerant)
     if use_srun:
         srun = shutil.which("srun", path=env.get("PATH"))
         if srun is None:
@@ -408,19 +411,25 @@ def _hydra_options(args: argparse.Namespace, job_env: Mapping[str, str]) -> list
     return options
 
 
-def _srun_options(args: argparse.Namespace) -> list[str]:
+def _srun_options(args: argparse.Namespace, env: Mapping[str, str]) -> list[str]:
     _open_mpi_only(args, "srun")
     if args.binding_args:
         raise LaunchError("--binding-args are mpirun arguments; with srun pass --cpu-bind=... in "
                           "--mpi-args")
     # srun exports the whole environment by default; one failed rank ends the step.
     options = [f"--ntasks={args.np}", "--cpu-bind=none", "--kill-on-bad-exit=1"]
+    given = shlex.split(args.mpi_args or "")
+    if "SLURM_MPI_TYPE" not in env and not any(
+            word == "--mpi" or word.startswith("--mpi=") for word in given):
+        # Open MPI 5 (the wheel) needs Slurm's PMIx; under MpiDefault=none every rank would
+        # silently be an MPI world of its own.
+        options.append("--mpi=pmix")
     hosts = requested_hosts(args)
     if hosts:
         options.append("--nodelist=" + ",".join(host.name for host in hosts))
     if args.fault_tolerant:
         raise LaunchError("--fault-tolerant needs Open MPI's ULFM (mpirun --with-ft ulfm); "
-                          "use --launcher mpirun inside the Slurm job")
+                          "use --launcher auto or mpirun inside the Slurm job")
     if args.output_filename:
         options += [f"--output={args.output_filename}.%t.out",
                     f"--error={args.output_filename}.%t.err"]
@@ -434,7 +443,7 @@ def build_command(args: argparse.Namespace, env: Mapping[str, str], site: Site) 
     elif site.flavour == "mpich":
         options = _hydra_options(args, job_environment(args, env, site))
     else:
-        options = _srun_options(args)
+        options = _srun_options(args, env)
     return [site.launcher, *options, *shlex.split(args.mpi_args or ""), *args.command]
 
 
