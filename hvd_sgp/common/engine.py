@@ -9,6 +9,9 @@ step explicitly:
     ...the adapter's local optimizer step...
     engine.end_step(lr)                         # this stage's exchange
 
+begin_step may be left out by an adapter that has no gradients to reduce: end_step then
+begins the step itself (see there).
+
 Gradient buffers end with one spare element, as parameter buffers end with the weight: the
 engine writes this rank's share of the sum there, so that the average stays an average of
 the ranks that contributed when some have joined (hvd.join(): they serve with zeros).
@@ -313,7 +316,13 @@ class GossipEngine:
             self._joined_group = comm  # the joined ranks of this group are re-synced
 
     def end_step(self, lr: float = 0.0) -> None:
-        """The exchange that follows each local step (``lr``: for the consensus metrics)."""
+        """The exchange that follows each local step (``lr``: for the consensus metrics).
+        The step protocol: an adapter that needs the plan (to reduce gradients) calls
+        begin_step before its local step; one that does not may skip it, and end_step then
+        begins the step itself, so that what begin_step owes a step (a stage switch, the
+        exact average of the step where survivors meet after a repair) is never lost."""
+        if not self._in_call:
+            self.begin_step(self._optimizer_state)
         self.calls += 1
         self._in_call = False
         if self.calls < self._skip_until:

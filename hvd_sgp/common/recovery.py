@@ -194,6 +194,12 @@ def spawning() -> Iterator[None]:
         _status.spawning = False
 
 
+def own_deadline() -> bool:
+    """A repair or a grow is under way: it has its own deadline (the watchdog here), so the
+    blocking calls it makes are not also timed as ordinary ones."""
+    return _status.repairing is not None or _status.spawning
+
+
 def repair_deadline() -> float:
     """Seconds a repair may take: a silent rank excludes itself after HVD_SGP_TIMEOUT, then
     ULFM needs its detector timeout to report it."""

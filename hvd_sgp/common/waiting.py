@@ -61,18 +61,21 @@ class Wait:
     """One wait on other ranks. ``awaited()`` names who has not delivered yet (asked only when
     a warning or an error is due); ``fail`` is the outcome policy (``expire`` by default,
     raising ``error``); ``hint`` ends the timeout's message; ``stall``: seconds before the
-    stall warning (None: none; by default STALL_FRACTION of the timeout)."""
+    stall warning (None: none; by default STALL_FRACTION of the timeout); ``text(kind,
+    waited)``, kind 'stall' or 'timeout', replaces both messages (the Horovod layer's)."""
 
     def __init__(self, what: str, awaited: Callable[[], str], timeout: float,
                  iteration: Optional[int] = None, error: type = PeerTimeoutError,
                  fail: Optional[Callable[[str], None]] = None,
                  hint: str = "(dead or frozen peer, or ranks running different steps); raise "
                              "HVD_SGP_TIMEOUT if this is a slow start",
-                 began: Optional[float] = None, stall: Optional[float] = -1.0):
+                 began: Optional[float] = None, stall: Optional[float] = -1.0,
+                 text: Optional[Callable[[str, float], str]] = None):
         self.what, self.awaited, self.timeout = what, awaited, timeout
         self.iteration, self.error, self.fail, self.hint = iteration, error, fail, hint
         self.began = time.monotonic() if began is None else began
         self.stall = STALL_FRACTION * timeout if stall is not None and stall < 0 else stall
+        self.text = text
         self.warned = False
 
     def waited(self) -> float:
@@ -83,16 +86,20 @@ class Wait:
         poll on their own). True once the policy ran (a ``fail`` that does not raise)."""
         waited = self.waited()
         if waited > self.timeout:
-            message = _with_others(
-                f"waited {self.timeout:.0f} s {'at' if self.iteration is not None else 'in'} "
-                f"{self._place()} for {self.awaited()}")
+            if self.text is not None:
+                message = self.text("timeout", waited)
+            else:
+                message = _with_others(
+                    f"waited {self.timeout:.0f} s {'at' if self.iteration is not None else 'in'}"
+                    f" {self._place()} for {self.awaited()}")
+                message += " (HVD_SGP_TIMEOUT)" if self.fail else f" {self.hint}".rstrip()
             if self.fail is not None:
-                self.fail(f"{message} (HVD_SGP_TIMEOUT)")
+                self.fail(message)
                 return True
-            expire(f"{message} {self.hint}".rstrip(), self.error)
+            expire(message, self.error)
         if not self.warned and self.stall is not None and waited > self.stall:
             self.warned = True
-            stall_warning(_with_others(
+            stall_warning(self.text("stall", waited) if self.text is not None else _with_others(
                 f"stalled {waited:.0f} s {'at' if self.iteration is not None else 'in'} "
                 f"{self._place()} waiting for {self.awaited()}") +
                 f"; the job fails after {self.timeout:.0f} s")

@@ -154,6 +154,8 @@ def _run() -> None:
         try:
             with _watch.lock:
                 _serve(answers=True)
+            if recovery.own_deadline():
+                continue
             for key, call in list(_watch.calls.items()):
                 _check(key, call)
         except MPI.Exception:  # noqa: PERF203  (a communicator freed under us at shutdown)

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import sys
 import threading
 import time
 from collections import deque
@@ -45,9 +44,9 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Optio
 
 from hvd_sgp.common import recovery, runtime
 from hvd_sgp.common.errors import (CollectiveTimeoutError, HorovodInternalError, PeerLostError,
-                                   SgpValueError,
-                                   on_rank)
+                                   SgpValueError)
 from hvd_sgp.common.mpi import MPI
+from hvd_sgp.common.waiting import Wait
 
 TAG_REQUEST, TAG_RESPONSE = 1, 2
 SPIN_SECONDS = 1e-3  # a waiter polls back to back while something moved this recently
@@ -159,7 +158,8 @@ class Operation:
         self.done = False
         self.result: Any = None
         self.error: Optional[BaseException] = None
-        self.warned = False
+        self.wait: Optional[Wait] = None  # this rank's deadline on the coordinator's answer
+        self.data_wait: Optional[Wait] = None  # the deadline of its data phase
 
     def finish(self, result: Any = None, error: Optional[BaseException] = None) -> None:
         self.result, self.error, self.done = result, error, True
@@ -172,7 +172,7 @@ class _Entry:
         self.requests: dict[int, Request] = {}
         self.duplicated: set[int] = set()
         self.first_seen = time.monotonic()
-        self.warned = False
+        self.wait: Optional[Wait] = None  # the coordinator's deadline on the missing ranks
 
 
 class Controller:
@@ -369,32 +369,38 @@ class Controller:
     def _check_stall(self, name: str, entry: _Entry) -> None:
         if name == JOIN:
             return  # joined ranks wait as long as others make progress: join() watches that
-        waited = time.monotonic() - entry.first_seen
-        stall, timeout = self.settings.stall_warning, self.settings.timeout
-        if waited < min(stall or timeout, timeout):
-            return
+        if entry.wait is None:
+            entry.wait = Wait(name, lambda: "", self.settings.timeout, began=entry.first_seen,
+                              stall=self.settings.stall_warning,
+                              fail=lambda message: self._expire(name, entry, message),
+                              text=lambda kind, waited: self._stall_text(entry, kind, waited))
+        entry.wait.due()
+
+    def _stall_text(self, entry: _Entry, kind: str, waited: float) -> str:
         joined = set(self.joined)
         missing = [r for r in range(self.size) if r not in entry.requests and r not in joined]
         first = next(iter(entry.requests.values()))
-        label = f"{first.kind} {name!r}{self._where()}"
-        if waited > timeout:
-            message = (f"{label} timed out after {timeout:.0f} s waiting for "
-                       f"{self.rank_list(missing)} (submitted by "
-                       f"{self.rank_list(entry.requests)}): a rank died, froze or runs "
-                       "different collectives; raise HVD_SGP_TIMEOUT if this is a slow start")
-            if any(q.error for q in entry.requests.values()):
-                self.table[name].remove(entry)  # its senders raised already: let it go
-                if not self.table[name]:
-                    del self.table[name]
-                self._respond(Response(name, message))
-            else:
-                self._break(message)
-        elif stall is not None and not entry.warned:
-            entry.warned = True
-            print(on_rank(f"stall: {label} has waited {waited:.0f} s for "
-                          f"{self.rank_list(missing)} (submitted by "
-                          f"{self.rank_list(entry.requests)}); it fails after "
-                          f"{timeout:.0f} s (HVD_SGP_TIMEOUT)"), file=sys.stderr, flush=True)
+        label = f"{first.kind} {first.name!r}{self._where()}"
+        timeout = self.settings.timeout
+        if kind == "timeout":
+            return (f"{label} timed out after {timeout:.0f} s waiting for "
+                    f"{self.rank_list(missing)} (submitted by "
+                    f"{self.rank_list(entry.requests)}): a rank died, froze or runs "
+                    "different collectives; raise HVD_SGP_TIMEOUT if this is a slow start")
+        return (f"stall: {label} has waited {waited:.0f} s for {self.rank_list(missing)} "
+                f"(submitted by {self.rank_list(entry.requests)}); it fails after "
+                f"{timeout:.0f} s (HVD_SGP_TIMEOUT)")
+
+    def _expire(self, name: str, entry: _Entry, message: str) -> None:
+        """An entry past the deadline: where its senders raised already, only it fails;
+        otherwise the set breaks."""
+        if any(q.error for q in entry.requests.values()):
+            self.table[name].remove(entry)
+            if not self.table[name]:
+                del self.table[name]
+            self._respond(Response(name, message))
+        else:
+            self._break(message)
 
     # --- every rank -------------------------------------------------------------------------
     def _apply(self, response: Response) -> None:
@@ -441,14 +447,21 @@ class Controller:
             if MPI.Request.Testall(op.mpi):
                 self._step(op)
                 moved = True
-            elif now - op.started > self.settings.timeout:
-                self._break(f"{op.request.kind} {op.request.name!r}{self._where()} moved no "
-                            f"data for {self.settings.timeout:.0f} s after every rank agreed "
-                            "on it: a rank died or stopped making progress")
+            elif self._data_wait(op).due():
                 return True
             if op.done and op in self.running:
                 self.running.remove(op)
         return moved
+
+    def _data_wait(self, op: Operation) -> Wait:
+        """The deadline of an agreed op's data phase: every rank agreed, so it ends soon."""
+        if op.data_wait is None or op.data_wait.began != op.started:
+            op.data_wait = Wait(op.request.name, lambda: "", self.settings.timeout, began=op.started,
+                           stall=None, fail=self._break, text=lambda kind, waited: (
+                               f"{op.request.kind} {op.request.name!r}{self._where()} moved no "
+                               f"data for {self.settings.timeout:.0f} s after every rank agreed "
+                               "on it: a rank died or stopped making progress"))
+        return op.data_wait
 
     def _step(self, op: Operation) -> None:
         try:
@@ -470,24 +483,26 @@ class Controller:
 
     def _check_silence(self) -> None:
         """A non-coordinator's own deadline, for when the coordinator does not poll."""
-        now = time.monotonic()
-        patience = self.settings.timeout * 1.1 + 1.0
         for op in list(self.pending.values()):
             if op.abandoned or op.request.kind == JOIN:
                 continue
-            waited = now - op.submitted
-            label = f"{op.request.kind} {op.request.name!r}{self._where()}"
-            if waited > patience:
-                self._break(f"{label}: no answer from the coordinator (rank {self.ranks[0]}) "
-                            f"after {waited:.0f} s; it, or a rank it waits for, has not "
-                            "submitted this collective (HVD_SGP_TIMEOUT)")
+            if op.wait is None:
+                op.wait = Wait(op.request.name, lambda: "", self.settings.timeout * 1.1 + 1.0,
+                               began=op.submitted, stall=self.settings.stall_warning,
+                               fail=self._break,
+                               text=lambda kind, waited, op=op: self._silence_text(op, kind,
+                                                                                   waited))
+            if op.wait.due():
                 return
-            stall = self.settings.stall_warning
-            if stall is not None and waited > stall and not op.warned:
-                op.warned = True
-                print(on_rank(f"stall: {label} has waited {waited:.0f} s for the other ranks; "
-                              f"the coordinator (rank {self.ranks[0]}) names the missing ones"),
-                      file=sys.stderr, flush=True)
+
+    def _silence_text(self, op: Operation, kind: str, waited: float) -> str:
+        label = f"{op.request.kind} {op.request.name!r}{self._where()}"
+        if kind == "timeout":
+            return (f"{label}: no answer from the coordinator (rank {self.ranks[0]}) after "
+                    f"{waited:.0f} s; it, or a rank it waits for, has not submitted this "
+                    "collective (HVD_SGP_TIMEOUT)")
+        return (f"stall: {label} has waited {waited:.0f} s for the other ranks; the "
+                f"coordinator (rank {self.ranks[0]}) names the missing ones")
 
     def missing_joins(self) -> str:
         """The coordinator's list of ranks that have not joined ('' elsewhere)."""
