@@ -61,7 +61,10 @@ class OverlapMixer(PushSumMixer):
         in_place = self.in_place and self._absorbed
         self.release()  # (begin writes the weight slot, which the last push may still read)
         slot = self._free.pop() if self._free else Slot(self.kit, self.buffer)
-        pending = self.begin(slot, in_place)
+        if in_place:
+            pending = self.begin(slot, in_place=True)
+        else:  # (a codec mixer's begin() takes the slot only: its pushes are copies)
+            pending = self.begin(slot)
         self._slots[pending.iteration] = slot
         self.progress.submit(pending)
         self.in_flight.append(pending)
