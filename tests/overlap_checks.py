@@ -1,6 +1,7 @@
 """Overlap SGP and schedules in the core, on real MPI processes (run by test_overlap.py).
 
-argv: STEPS MAX_DELAYS (comma-separated). Every rank sleeps a random time each step, so messages really arrive late.
+argv: STEPS MAX_DELAYS (comma-separated) [CHECKS...]. Every rank sleeps a random time each step,
+so messages really arrive late.
 """
 import sys
 import time
@@ -35,7 +36,7 @@ def mass(buf, mixer):
 
 def conservation_and_no_deadlock(tau, in_place=False):
     """Mass plus what is in flight is conserved. ``in_place``: pushes read the buffer itself,
-    and after each release() the buffer is written (as a local step would) with a change whose
+    and after each absorb() the buffer is written (as a local step would) with a change whose
     mass is booked: a push still reading the buffer then would carry mass nobody booked (its
     model is past MPI's eager limit, so the receiver reads the buffer after the send began)."""
     size = 100_000 if in_place else 50
@@ -51,12 +52,13 @@ def conservation_and_no_deadlock(tau, in_place=False):
     for k in range(steps):
         time.sleep(rng.uniform(0, 2e-4))
         if in_place:
-            mixer.release()
+            mixer.absorb()
+            assert len(mixer.in_flight) <= tau, len(mixer.in_flight)
             change = rng.normal(scale=1e-3, size=size)
             buf[:-1] += change
             booked[0] += float(buf[-1]) * change.sum()
-        mixer.mix()
-        assert len(mixer.in_flight) <= tau, len(mixer.in_flight)  # memory stays bounded
+        mixer.mix()  # memory stays bounded (in place, the last receives wait for absorb())
+        assert len(mixer.in_flight) <= tau + mixer.in_place, len(mixer.in_flight)
         if k % 250 == 0 or k == steps - 1:
             now = mass(buf, mixer) - comm.allreduce(booked)
             worst = max(worst, np.abs(now - start).max() / np.abs(start).max())
@@ -100,6 +102,64 @@ def debias_matters(tau):
        f"{errors[False]:.1e} without")
 
 
+class DueOnly(OverlapMixer):
+    """Sums in only the messages due (iterations <= stale), never one that arrived early, so
+    that what is summed where does not depend on arrival times."""
+
+    def _collect(self, stale: int) -> None:
+        for pending in self.in_flight:
+            if pending.iteration <= stale:
+                self.progress.wait_receives(pending)
+                self._add_arrived(pending)
+        self._release()
+
+
+def trajectory(tau, in_place, steps=60, size=20_000):
+    """Local steps (a gradient pulling each rank to its own target, plus seeded noise) between
+    Overlap SGP iterations; the parameters and weight each local step starts from, and the end
+    after a drain. The model is past MPI's eager limit: in place, a push is read while it runs."""
+    r = np.random.default_rng(50 + me)
+    target = r.normal(size=size)
+    buf = allocate(size, np.float64)
+    buf[:-1] = r.normal(size=size)
+    mixer = DueOnly(buf, make_topology("exponential", n), transport, progress, max_delay=tau,
+                    in_place=in_place)
+    seen = []
+    for _ in range(steps):
+        time.sleep(r.uniform(0, 2e-4))
+        mixer.absorb()  # as the engine's begin_step does
+        seen.append(buf.copy())
+        buf[:-1] -= 0.1 * (buf[:-1] - target) + 0.01 * r.normal(size=size)
+        mixer.mix()
+    copies = sum(len(slot.sends) for slot in list(mixer._slots.values()) + mixer._free)
+    mixer.drain()
+    comm.Barrier()
+    seen.append(buf.copy())
+    return np.array(seen), mixer.in_place, copies
+
+
+def in_place_push_matches_copy(tau):
+    """A push that reads the buffer in place carries what a copy of it carried: from the same
+    start, with the same messages summed, both paths take the same steps to float rounding."""
+    copied, _, _ = trajectory(tau, False)
+    placed, in_place, copies = trajectory(tau, True)
+    assert in_place == (tau == 1) and (copies == 0) == in_place, (in_place, copies)
+    scale = np.abs(copied).max()
+    gaps = np.abs(placed - copied).max(axis=1) / scale
+    first = int(np.argmax(gaps > 1e-12)) if (gaps > 1e-12).any() else None
+    worst = comm.allreduce(float(gaps.max()), op=MPI.MAX)
+    assert worst <= 1e-12, f"rank {me}: trajectories part at local step {first} ({gaps.max():.1e})"
+    place = "in place" if in_place else "in_place ignored (copies)"
+    checks.ok(f"overlap tau={tau}: pushes {place} take the copying path's steps over "
+              f"{len(gaps) - 1} local steps (largest gap {worst:.1e})")
+
+
+@checks
+def check_in_place_push_matches_copy():
+    for tau in delays:
+        in_place_push_matches_copy(tau)
+
+
 @checks
 def check_conservation_and_no_deadlock():
     for tau in delays:
@@ -112,5 +172,5 @@ def check_debias_matters():
     debias_matters(delays[0])
 
 
-checks.run(argv=[])  # the command line carries STEPS and MAX_DELAYS
+checks.run(argv=sys.argv[3:])  # after STEPS and MAX_DELAYS
 progress.close()

@@ -14,6 +14,16 @@ def test_overlap_core(n):
     assert "tau=1" in out and "tau=2" in out and "pushes in place" in out
 
 
+def test_in_place_push_matches_copy():
+    """Overlap SGP tau = 1's push reads the buffer in place; it must carry what the copying
+    push carried (commit 6cc85ba summed arrivals in before it: the network average then moved
+    at about half the learning rate). tau = 2 copies either way."""
+    out = run_mpi(4, "overlap_checks.py", "0", "1,2", "check_in_place_push_matches_copy",
+                  timeout=300).stdout
+    assert "tau=1: pushes in place take the copying path's steps" in out, out
+    assert "tau=2: pushes in_place ignored (copies) take" in out, out
+
+
 def final_accuracy(out):
     return float(re.search(r"final test accuracy ([0-9.]+)", out).group(1))
 

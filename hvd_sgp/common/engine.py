@@ -52,7 +52,7 @@ from hvd_sgp.common.node import NodeShard, average_arrays, exact_average
 from hvd_sgp.common.options import SgpOptions
 from hvd_sgp.common.outer import OuterLoop
 from hvd_sgp.common.mixers import build, feeds_back
-from hvd_sgp.common.pushsum import PushSumMixer, drain, exchange, release
+from hvd_sgp.common.pushsum import PushSumMixer, absorb, drain, exchange, release
 from hvd_sgp.common.topology import BipartiteExponentialGraph, make_topology
 from hvd_sgp.common.transport import PeerTransport, Progress
 from hvd_sgp.common.waiting import Wait
@@ -255,6 +255,7 @@ class GossipEngine:
         return plan
 
     def _begin_step(self, optimizer_state: Callable[[], Sequence]) -> StepPlan:
+        absorb(self.mixers)  # what in-place pushes kept out of the buffers, before the step
         call = self.calls + 1
         if call < self._skip_until:  # realigning after a repair: a local step only
             self._planned_ranks = 1

@@ -12,11 +12,14 @@ that iteration), so at most max_delay iterations stay out between steps.
 ``in_place`` (tau = 1, uncompressed, one share for every out-peer): the push reads the buffer
 itself, as a synchronous one does, instead of a copy. It saves a pass over the model per step
 (on shared memory, where no link time hides it, that pass is most of what Overlap SGP costs
-beyond its exchange). The buffer must then stay unchanged until the push is taken: the
-messages that arrived are summed in before the push is posted, and ``release()`` waits for the
-push before anything writes the buffer again (the engine calls it before the local step).
-With tau = 1 that costs nothing: the next iteration waited for the same push anyway, a local
-step later.
+beyond its exchange). The push must carry what the copy carried: the parameters right after the
+local step, with the weight before any arrival is summed in. So the buffer stays unchanged until
+the push is taken, and the arrivals the copying mixer sums in after posting are summed in by
+``absorb()`` instead, before the next local step writes the buffer (the engine calls it in
+begin_step, after ``release()`` waited for the push). Summing them in before the push instead
+(commit 6cc85ba) took every local step at about half the weight, the other half being in flight
+without it: the network average moved at about half the learning rate. With tau = 1 the wait
+costs nothing: the next iteration waited for the same push anyway, a local step later.
 """
 from __future__ import annotations
 
@@ -47,33 +50,49 @@ class OverlapMixer(PushSumMixer):
         self.progress = progress
         self.max_delay = max_delay
         self.in_place = in_place and max_delay == 1 and not self._wire and push_sum
+        self._absorbed = True  # nothing is in flight yet: the first push may read in place
         self.in_flight: deque[Pending] = deque()
         self._slots: dict[int, Slot] = {}  # by iteration, for the pendings in flight
         self._free: list[Slot] = []
 
     def mix(self) -> None:
         stale = self.iteration - self.max_delay
-        if self.in_place:  # sum in first: the push will read the buffer until it is taken
-            self.release()
-            self._collect(stale)
+        # in place only after absorb(): an adapter that skipped begin_step gets a copy
+        in_place = self.in_place and self._absorbed
+        self.release()  # (begin writes the weight slot, which the last push may still read)
         slot = self._free.pop() if self._free else Slot(self.kit, self.buffer)
-        pending = self.begin(slot)
+        if in_place:
+            pending = self.begin(slot, in_place=True)
+        else:  # (a codec mixer's begin() takes the slot only: its pushes are copies)
+            pending = self.begin(slot)
         self._slots[pending.iteration] = slot
         self.progress.submit(pending)
         self.in_flight.append(pending)
-        if not self.in_place:  # the push is a copy: sum in what arrived meanwhile
+        self._absorbed = False
+        if not in_place:  # the push is a copy: sum in what arrived meanwhile (else absorb())
             self._collect(stale)
-        while len(self.in_flight) > self.max_delay:  # its receives are in: wait for its sends
-            self.progress.wait_all(self.in_flight[0])
-            self._release()
+            while len(self.in_flight) > self.max_delay:  # receives in: wait for its sends
+                self.progress.wait_all(self.in_flight[0])
+                self._release()
         self.iteration += 1
-        self.settle()
+        if not in_place:
+            self.settle()
 
     def release(self) -> None:
         """Wait until no push in flight reads the buffer in place (before it is written)."""
         if self.in_place:
             for pending in self.in_flight:
                 self.progress.wait_sends(pending)
+
+    def absorb(self) -> None:
+        """Before the local step: wait until the push is taken, then sum in what the copying
+        mixer's last mix() summed after posting its copy (the messages due, and any that
+        arrived since). The next push reads the buffer in place only after this."""
+        if self.in_place:
+            self.release()
+            self._collect(self.iteration - 1 - self.max_delay)
+            self.settle()
+            self._absorbed = True
 
     def drain(self) -> None:
         """Sum in every message still in flight (for evaluation, checkpoints, mode switches)."""
@@ -83,6 +102,7 @@ class OverlapMixer(PushSumMixer):
             self.progress.wait_all(pending)
         self._release()
         self.settle()
+        self._absorbed = True
 
     def abandon(self) -> None:
         """Give up every iteration in flight (a peer was lost): their messages, sent or
@@ -90,6 +110,7 @@ class OverlapMixer(PushSumMixer):
         super().abandon()
         self.in_flight.clear()
         self._slots.clear()
+        self._absorbed = True
 
     def _collect(self, stale: int) -> None:
         """Add arrived messages; wait for those of iterations <= ``stale``."""

@@ -134,7 +134,6 @@ class PushSumMixer:
         return [self.buffer, 1, dtype]
 
     overlapped = False  # iterations complete within mix(): nothing stays in flight
-    in_place = False  # Overlap SGP's pushes are copies unless it says otherwise (overlap.py)
 
     def mix(self) -> None:
         """One synchronous PushSum iteration over this iteration's graph."""
@@ -143,17 +142,17 @@ class PushSumMixer:
     def drain(self) -> None:
         """Nothing is in flight between synchronous iterations."""
 
-    def begin(self, slot: Optional[Slot] = None) -> Pending:
+    def begin(self, slot: Optional[Slot] = None, in_place: bool = False) -> Pending:
         """Keep this node's share of the weight and post the pushes and receives of the
         current iteration.
 
         Pushes read the buffer itself where they can (``finish`` completes them before the
         next local step). With a ``slot`` (Overlap SGP) they are copies in it instead, so the
         next local steps can run while they are in flight; the slot stays untouched until the
-        returned requests complete. An ``in_place`` overlap mixer keeps only its receive rows
-        in the slot.
+        returned requests complete; ``in_place`` (Overlap SGP, tau = 1) keeps only the receive
+        rows in the slot, and the buffer must then stay untouched until the sends complete.
         """
-        copies = slot is not None and not self.in_place
+        copies = slot is not None and not in_place
         slot = slot if slot is not None else self._slot
         phase = self.topology.phase(self.iteration)
         out_peers, in_peers = phase.out_peers[self.node], phase.in_peers(self.node)
@@ -211,6 +210,9 @@ class PushSumMixer:
 
     def release(self) -> None:
         """Synchronous pushes are taken within mix(): none is in flight between steps."""
+
+    def absorb(self) -> None:
+        """Synchronous iterations sum in within mix(): nothing waits for the next step."""
 
     def abandon(self) -> None:
         """Give up the iteration in flight (a peer was lost): the shard is de-biased as it
@@ -308,6 +310,13 @@ def release(mixers: Sequence[PushSumMixer]) -> None:
     """Wait until no push in flight reads a buffer in place: call before writing them."""
     for mixer in mixers:
         mixer.release()
+
+
+def absorb(mixers: Sequence[PushSumMixer]) -> None:
+    """Before the local step: sum in what in-place pushes kept out of the buffers while they
+    read it (Overlap SGP, tau = 1; see overlap.py)."""
+    for mixer in mixers:
+        mixer.absorb()
 
 
 def drain(mixers: Sequence[PushSumMixer]) -> None:
