@@ -182,6 +182,15 @@ def test_keras_grow_back():
     assert "1 replacement(s) joined (rank(s) [2]): back to 4 ranks" in output
 
 
+def test_plain_keras_script_meets_with_an_exact_average():
+    """A plain Keras fit (no elastic.run), each rank its own node: the TF adapter reduces no
+    gradients and never calls begin_step; after rank 2 is SIGKILLed, the step where the
+    survivors meet still begins with the exact average (end_step begins the step itself)."""
+    proc = sgprun(4, "elastic_keras_plain.py")
+    output = expect_passed(proc, "plain keras survived on 3 ranks")
+    assert output.count("after the repair") == 3, output[-3000:]
+
+
 def test_plain_script_with_max_np_goes_on_smaller_and_says_why():
     """Without hvd.elastic.run there is no step boundary for a replacement to join at."""
     proc = sgprun(4, "elastic_checks.py", "check_sync_sgp_ledger", flags=("--max-np", "4"))

@@ -254,14 +254,17 @@ class GossipEngine:
         self._in_call = True
         return plan
 
-    def _begin_step(self, optimizer_state: Callable[[], Sequence]) -> StepPlan:
-        absorb(self.mixers)  # what in-place pushes kept out of the buffers, before the step
+    def _begin_step(self, optimizer_state: Callable[[], Sequence],
+                    before_local_step: bool = True) -> StepPlan:
+        if before_local_step:  # (else the mixers push a copy, and sum in after it)
+            absorb(self.mixers)  # what in-place pushes kept out of the buffers, before the step
         call = self.calls + 1
         if call < self._skip_until:  # realigning after a repair: a local step only
             self._planned_ranks = 1
             return StepPlan(self.stage.mode, False, False, 1)
         if call == self._resync_at:
             self._average_parameters()
+            self.repairs[-1]["met_at"] = call  # (the repair's record: the survivors met)
             if self.stage.mode == "allreduce":
                 average_arrays(list(optimizer_state()), self.world)
         wanted = schedule.current(self.stages, self.epoch, self.steps)
@@ -321,9 +324,13 @@ class GossipEngine:
         The step protocol: an adapter that needs the plan (to reduce gradients) calls
         begin_step before its local step; one that does not may skip it, and end_step then
         begins the step itself, so that what begin_step owes a step (a stage switch, the
-        exact average of the step where survivors meet after a repair) is never lost."""
+        exact average of the step where survivors meet after a repair) is never lost. (Its
+        Overlap SGP pushes are then copies: an in-place push needs the arrivals summed in
+        before the local step.)"""
         if not self._in_call:
-            self.begin_step(self._optimizer_state)
+            self.release()
+            self._guard(lambda: self._begin_step(self._optimizer_state, False),
+                        "the start of a step")
         self.calls += 1
         self._in_call = False
         if self.calls < self._skip_until:
