@@ -148,8 +148,8 @@ OPTIONS: tuple[Option, ...] = (
            "survivors' averaged parameters (keep) or reloads the last commit (commit)",
            choices=("keep", "commit"), keyword=False),
     Option("compression", str, "none", "gossip codec where the script asks for none (Horovod's "
-           "compression= wins): none, fp16, bf16, int8, topk:F, randomk:F", keyword=False,
-           metavar="CODEC"),
+           "compression= wins): none, fp16, bf16, int8, int4, int2, topk:F, randomk:F",
+           keyword=False, metavar="CODEC"),
 )
 BY_NAME = {o.name: o for o in OPTIONS}
 KEYWORDS = tuple(o.name for o in OPTIONS if o.keyword)
