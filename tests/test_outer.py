@@ -30,6 +30,15 @@ def test_outer_checks_on_four_ranks():
     assert "all outer checks passed on 4 ranks" in out
 
 
+def test_two_rank_nodes():
+    """HVD_SGP_LOCAL_SIZE=2: each local rank gossips its shard, and every local rank takes
+    the node's outer step alike."""
+    out = run_mpi(4, "outer_checks.py", "check_diloco_over_allreduce",
+                  "check_diloco_over_gossip", "check_outer_state_resumes_exactly",
+                  env={"HVD_SGP_LOCAL_SIZE": "2"}, timeout=900).stdout
+    assert "all outer checks passed on 4 ranks" in out
+
+
 def test_presets_and_the_options_table():
     diloco = parse("diloco")
     assert (diloco.lr, diloco.momentum, diloco.nesterov) == (0.7, 0.9, True)
