@@ -7,7 +7,6 @@ numpy preset computes; 'sgd:1' is plain Local SGD; the outer state resumes exact
 checkpoint; bad input fails at construction naming the rank.
 """
 import copy
-import sys
 
 import numpy as np
 import torch
@@ -118,9 +117,14 @@ def check_diloco_over_gossip():
         assert abs(total - n / local) < 1e-9, total  # the outer step leaves the weights alone
         assert after < 0.5 * before, (label, before, after)
         opt.average_parameters()
-        lines.append(f"{label}: the nodes' weights sum to {total:.12f}, loss {before:.3f} -> {after:.3f} "
-                     f"({loss_of(model):.3f} averaged)")
+        lines.append(f"{label}: the nodes' weights sum to {total:.12f}, loss {before:.3f} -> "
+                     f"{after:.3f} ({loss_of(model):.3f} averaged)")
     return f"diloco over PushSum gossip, H={H}, bytes only at syncs; " + "; ".join(lines)
+
+
+def nesterov(params) -> torch.optim.Optimizer:
+    """DiLoCo's outer optimizer, as a torch factory."""
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
 
 
 @checks
@@ -130,8 +134,7 @@ def check_factory_equals_preset():
     diffs = {}
     for mode in ("allreduce", "sgp"):
         preset, _, _ = run(3 * H, mode=mode, local_steps=H, outer_optimizer="diloco")
-        torch_made, _, _ = run(3 * H, mode=mode, local_steps=H, outer_optimizer=lambda p:
-                               torch.optim.SGD(p, lr=0.7, momentum=0.9, nesterov=True))
+        torch_made, _, _ = run(3 * H, mode=mode, local_steps=H, outer_optimizer=nesterov)
         diffs[f"factory {mode}"] = (flat(preset) - flat(torch_made)).abs().max().item()
         local, _, _ = run(3 * H, mode=mode, local_steps=H)
         identity, _, _ = run(3 * H, mode=mode, local_steps=H, outer_optimizer="sgd:1")

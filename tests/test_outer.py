@@ -17,6 +17,7 @@ from hvd_sgp.common.errors import OptionError
 from hvd_sgp.common.outer import OuterLoop
 from hvd_sgp.common.outer_steps import MomentumStep, parse
 from hvd_sgp.common.topology import ExponentialGraph
+from hvd_sgp.runner import launch
 from hvd_sgp.sim import SimNetwork
 from mpi_launch import run_mpi
 from test_properties import graphs
@@ -51,6 +52,10 @@ def test_presets_and_the_options_table():
         options.from_environment("outer_optimizer", {"HVD_SGP_OUTER_OPTIMIZER": "adam"})
     assert options.environment({"outer_optimizer": "diloco"}) == {
         "HVD_SGP_OUTER_OPTIMIZER": "diloco"}
+    args = launch.parse_args(["-np", "2", "--outer-optimizer", "nesterov:0.5:0.8", "python"])
+    assert launch.sgp_environment(args)["HVD_SGP_OUTER_OPTIMIZER"] == "nesterov:0.5:0.8"
+    with pytest.raises(SystemExit):  # argparse names the flag and the problem
+        launch.parse_args(["-np", "2", "--outer-optimizer", "adam", "python"])
 
 
 def test_nesterov_is_torchs_sgd():
