@@ -51,6 +51,23 @@ VARIANTS = {
     "slowmo": ("SlowMo on SGP, H=4, beta 0.5, alpha 1", {"SLOWMO": "0.5", "LOCAL_STEPS": "4"}),
     "slowmo-a05": ("SlowMo on SGP, H=4, beta 0.5, alpha 0.5",
                    {"SLOWMO": "0.5", "SLOWMO_LR": "0.5", "LOCAL_STEPS": "4"}),
+    "diloco8": ("DiLoCo over gossip, H=8", {"OUTER_OPTIMIZER": "diloco", "LOCAL_STEPS": "8"}),
+    "diloco8-ar": ("DiLoCo over AllReduce, H=8",
+                   {"OUTER_OPTIMIZER": "diloco", "LOCAL_STEPS": "8", "MODE": "allreduce"}),
+    "local8": ("Local SGD H=8", {"MODE": "allreduce", "LOCAL_STEPS": "8"}),
+    "sgp8": ("SGP gossiping every 8th step", {"LOCAL_STEPS": "8"}),
+    # DiLoCo's preset amplifies the inner steps 0.7 / (1 - 0.9) = 7 times, which this inner
+    # SGD (momentum 0.9, lr 0.05) does not survive; Nesterov 0.1 / 0.9 keeps the step
+    "nest8": ("Nesterov 0.1/0.9 over gossip, H=8",
+              {"OUTER_OPTIMIZER": "nesterov:0.1:0.9", "LOCAL_STEPS": "8"}),
+    "nest8-ar": ("Nesterov 0.1/0.9 over AllReduce, H=8",
+                 {"OUTER_OPTIMIZER": "nesterov:0.1:0.9", "LOCAL_STEPS": "8", "MODE": "allreduce"}),
+    "nest8-int4": ("Nesterov 0.1/0.9 over int4 gossip, H=8",
+                   {"OUTER_OPTIMIZER": "nesterov:0.1:0.9", "LOCAL_STEPS": "8",
+                    "COMPRESSION": "int4"}),
+    "nest8-int2": ("Nesterov 0.1/0.9 over int2 gossip, H=8",
+                   {"OUTER_OPTIMIZER": "nesterov:0.1:0.9", "LOCAL_STEPS": "8",
+                    "COMPRESSION": "int2"}),
 }
 OVERLAP = {"OVERLAP": "1", "MAX_DELAY": "2"}
 

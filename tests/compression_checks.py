@@ -272,7 +272,7 @@ def check_slowmo_and_checkpoints():
         train(opt, model, 1, seed=90 + step)
         if step % 2 == 0:
             assert torch.equal(flat(model), hvd.broadcast(flat(model), 0)), step
-    outer = opt.state_dict()["hvd_sgp"]["slowmo"]
+    outer = opt.state_dict()["hvd_sgp"]["outer"]
     assert len(outer["momentum"]) == 1 and np.abs(outer["momentum"][0]).max() > 0
     diffs = {name: snapshot_resume(kwargs) for name, kwargs in (
         ("slowmo on sgp", dict(slowmo=0.6, local_steps=2)),

@@ -145,6 +145,30 @@ def check_random_k_overlap_repair():
 
 
 @checks
+def check_outer_optimizer_repair():
+    """Gossip DiLoCo (H = 4) with a rank killed between syncs: the fold replaces every model
+    by the survivors' average and the outer state starts afresh (the next sync records the
+    anchors again), the weights sum to the survivors' number and training goes on."""
+    size, victim = hvd.size(), origin(hvd.size() - 1)
+    model, opt = make(local_steps=4, outer_optimizer="diloco")
+    engine, after_repair = opt._sgp_session().engine, None
+    for step in range(26):
+        train(opt, model, 1, {0: ((victim,), how())} if step == 6 else {})
+        if engine.repairs and after_repair is None:  # the step that repaired
+            after_repair = (engine.outer.anchor, engine.outer.state())
+    weight = hvd.allreduce(torch.tensor([float(engine.buffers[0][-1])], dtype=torch.float64),
+                           op=hvd.Sum)
+    momentum = engine.outer.state()["momentum"][0]
+    checks.verify(f"gossip DiLoCo: {size} -> {hvd.size()} ranks at iteration "
+                  f"{engine.repairs[-1]['iteration']}, outer state empty after the fold, "
+                  f"weights sum to {float(weight):.6f}, outer momentum again later",
+                  hvd.size() == size - 1 and engine.repairs[-1]["lost"] == [victim]
+                  and after_repair == (None, None) and abs(float(weight) - hvd.size()) < 1e-9
+                  and np.abs(momentum).max() > 0 and bool(torch.isfinite(params(model)).all()),
+                  f"after the repair {after_repair}")
+
+
+@checks
 def check_allreduce_stage():
     """A schedule's AllReduce stage: the survivors' models stay identical after the repair."""
     size, victim = hvd.size(), origin(hvd.size() // 2)

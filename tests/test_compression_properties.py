@@ -24,7 +24,8 @@ from hvd_sgp.sim import SimNetwork, simulate
 from hvd_sgp.sim.objectives import Quadratic
 from test_properties import graphs
 
-LOSSY = ["int8", "int8:stochastic", "topk:0.3", "topk:0.1", "randomk:0.3"]
+LOSSY = ["int8", "int8:stochastic", "int4", "int2", "int2:stochastic", "topk:0.3", "topk:0.1",
+         "randomk:0.3"]
 
 
 def spread_out(net: SimNetwork, seed: int) -> None:
@@ -104,7 +105,8 @@ def topologies(n: int) -> list:
     return [make_topology(name, n) for name in TOPOLOGIES if name != "bipartite" or n % 2 == 0]
 
 
-STABLE = {"int8": None, "topk:0.25": 0.25, "randomk:0.25": None}  # None: the codec's default
+STABLE = {"int8": None, "int4": None, "int2": None, "topk:0.25": 0.25,
+          "randomk:0.25": None}  # None: the codec's default
 
 
 @pytest.mark.parametrize("spec", sorted(STABLE))
@@ -188,7 +190,8 @@ def test_topk_selects_the_largest_differences_ties_by_position(n, fraction, leve
     assert np.array_equal(kept, (values - reference)[expected])
 
 
-@pytest.mark.parametrize("spec", ["int8", "int8:stochastic", "topk:0.01", "randomk:0.05"])
+@pytest.mark.parametrize("spec", ["int8", "int8:stochastic", "int4", "int2:stochastic",
+                                  "topk:0.01", "randomk:0.05"])
 def test_encoding_a_difference_equals_encoding_it_formed(spec):
     """encode_delta works block by block without forming values - reference; its bytes are
     those of encoding the difference, and the copy it moves gets what a receiver decodes."""
@@ -311,3 +314,59 @@ def test_bf16_rounds_to_nearest_even_block_by_block():
     even = np.where((bits >> np.uint32(16)) & np.uint32(1), high, low)
     assert np.array_equal(decoded, np.where(tie, even, nearer))
     assert decoded[2] == 1 and decoded[3] == 1 + 2.0**-6
+
+
+NARROW = ["int8", "int4", "int2", "int4:stochastic", "int2:stochastic"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(spec=st.sampled_from(NARROW), n=st.integers(1, 3000), seed=st.integers(0, 2**16))
+def test_block_scaled_integers_bytes_and_error_bound(spec, n, seed):
+    """The wire holds one float32 scale per chunk (its largest magnitude / LEVELS), then the
+    codes, 8 / BITS to a byte, the first in the low bits, offset by LEVELS; a value decodes
+    within half a step of itself (a whole step when rounding stochastically)."""
+    c = codec(spec)
+    rng = np.random.default_rng(seed)
+    values = (rng.normal(size=n) * 10.0 ** rng.integers(-3, 3, n)).astype(np.float32)
+    chunks = -(-n // c.CHUNK)
+    bits = {"int8": 8, "int4": 4, "int2": 2}[c.name]
+    assert c.nbytes(n) == 4 * chunks + -(-n * bits // 8)
+    wire = np.zeros(c.nbytes(n), np.uint8)
+    c.encode(values, wire)
+    scales = wire[:4 * chunks].view(np.float32)
+    tops = np.array([np.abs(values[i:i + c.CHUNK]).max() for i in range(0, n, c.CHUNK)])
+    assert np.allclose(scales, tops / c.LEVELS, rtol=1e-6, atol=0)
+    step = np.repeat(scales, c.CHUNK)[:n]
+    if bits == 8:
+        codes = wire[4 * chunks:].view(np.int8).astype(np.int64)
+    else:
+        packed = wire[4 * chunks:].astype(np.int64)
+        lanes = [(packed >> (bits * j)) & ((1 << bits) - 1) for j in range(8 // bits)]
+        codes = np.stack(lanes, axis=1).reshape(-1)[:n] - c.LEVELS
+    assert np.abs(codes).max() <= c.LEVELS
+    decoded = c.decode(wire, n)
+    assert np.allclose(decoded, codes * step, rtol=1e-6, atol=0)
+    slack = 1.0 if c.rounding == "stochastic" else 0.5
+    assert np.all(np.abs(decoded - values) <= slack * step * (1 + 1e-5) + 1e-30)
+
+
+@pytest.mark.parametrize("spec", ["int4", "int2", "int2:stochastic"])
+def test_error_feedback_sends_later_what_the_codec_dropped(spec):
+    """Pushing a fixed difference against a public copy that moves by what each push decodes
+    to (compressed PushSum's error feedback): the pushes add up to the difference less what
+    is still held back, and that residual shrinks to nothing, so nothing is lost for good."""
+    n = 5000
+    c = codec(spec)
+    target = np.random.default_rng(5).normal(size=n).astype(np.float32)
+    copy, sent = np.zeros(n, np.float32), np.zeros(n, np.float64)
+    wire = np.zeros(c.nbytes(n), np.uint8)
+    residuals = []
+    for _ in range(60 if c.rounding == "nearest" else 300):  # stochastic: slower, unbiased
+        received = np.zeros(n, np.float32)
+        c.encode_delta(target, copy, wire, copy=copy)
+        c.add_to(wire, n, received)
+        sent += received
+        assert np.allclose(sent + (target - copy), target, rtol=0, atol=1e-5)
+        residuals.append(np.linalg.norm(target - copy) / np.linalg.norm(target))
+    assert residuals[0] > 0.05 if c.name == "int2" else residuals[0] > 1e-3
+    assert residuals[-1] < 1e-5, residuals[::10]

@@ -91,6 +91,7 @@ def expect_passed(proc: subprocess.CompletedProcess, area_line: str) -> str:
      4),
     (4, "1", ["check_kill_at_step_0", "check_overlap_tau2_ledger"], 2),
     (4, "2", ["check_allreduce_stage", "check_sync_sgp_ledger"], 2),
+    (3, "1", ["check_outer_optimizer_repair"], 2),
 ])
 def test_survivors_finish(n, local, checks, survivors):
     proc = sgprun(n, "elastic_checks.py", *checks, env={"HVD_SGP_LOCAL_SIZE": local})

@@ -63,7 +63,7 @@ def host_view(buffer) -> np.ndarray:
     except (TypeError, RuntimeError, ValueError):
         view = None
     if view is None or view.ndim != 1 or not view.flags.writeable:
-        raise SgpValueError("compressed gossip and SlowMo work in host memory; device "
+        raise SgpValueError("compressed gossip and outer optimizers work in host memory; device "
                             "parameters need the staged placement (HVD_SGP_CUDA_AWARE=0)")
     return view
 

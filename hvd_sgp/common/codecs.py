@@ -410,19 +410,22 @@ class Draw:
 
 
 class Int8Codec(_Lossy):
-    """8-bit integers with one float32 scale per chunk of CHUNK values (max |v| / 127): about
-    4x fewer bytes than float32. ``int8:stochastic`` rounds stochastically (unbiased) instead
-    of to nearest. Encoding, and the copy update beside it, run in one pass block by block."""
+    """8-bit integers with one float32 scale per chunk of CHUNK values (max |v| / LEVELS):
+    about 4x fewer bytes than float32. ``int8:stochastic`` rounds stochastically (unbiased)
+    instead of to nearest. Encoding, and the copy update beside it, run in one pass block by
+    block. The narrower integers (int4, int2) derive from it."""
 
     name, compressor = "int8", "Int8Compressor"
     argument = "rounding: nearest (default) or stochastic"
     optional = True
     CHUNK = 1024  # BLOCK is a multiple of it
+    LEVELS = 127  # codes run from -LEVELS to LEVELS
 
     def __init__(self, rounding: str = "nearest"):
         super().__init__()
         if rounding not in ("nearest", "stochastic"):
-            raise OptionError(f"int8 rounds to 'nearest' or 'stochastic', got {rounding!r}")
+            raise OptionError(f"{self.name} rounds to 'nearest' or 'stochastic', got "
+                              f"{rounding!r}")
         self.rounding = rounding
         self._rng = np.random.default_rng(0) if rounding == "stochastic" else None
 
@@ -433,12 +436,19 @@ class Int8Codec(_Lossy):
     def _chunks(self, n: int) -> int:
         return -(-n // self.CHUNK)
 
+    def _code_bytes(self, n: int) -> int:
+        return n
+
     def nbytes(self, n: int) -> int:
-        return n + 4 * self._chunks(n)
+        return self._code_bytes(n) + 4 * self._chunks(n)
 
     def _layout(self, data: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
         chunks = self._chunks(n)
         return data[:4 * chunks].view(np.float32), data[4 * chunks:4 * chunks + n].view(np.int8)
+
+    def _store(self, rounded: np.ndarray, codes: np.ndarray, start: int, stop: int) -> None:
+        """Write a block's rounded values (floats in [-LEVELS, LEVELS]) as its codes."""
+        codes[start:stop] = rounded
 
     def _rows(self, values: np.ndarray) -> list[tuple[slice, np.ndarray]]:
         """(chunk indices, values as rows of a chunk) for the full chunks and the tail, of a
@@ -460,10 +470,9 @@ class Int8Codec(_Lossy):
             else:
                 np.subtract(values[start:stop], reference[start:stop], out=d, casting="unsafe")
             first = start // self.CHUNK
-            for (index, rows), (_, scratch), (_, target) in zip(
-                    self._rows(d), self._rows(w), self._rows(codes[start:stop])):
+            for (index, rows), (_, scratch) in zip(self._rows(d), self._rows(w)):
                 np.abs(rows, out=scratch)
-                top = scratch.max(axis=1) / 127
+                top = scratch.max(axis=1) / self.LEVELS
                 scales[first + index.start:first + index.stop] = top
                 np.multiply(rows, (1 / np.where(top > 0, top, 1)).astype(np.float32)[:, None],
                             out=scratch)
@@ -471,13 +480,14 @@ class Int8Codec(_Lossy):
                     noise = self.work(np.float32, 2)[:scratch.size].reshape(scratch.shape)
                     scratch += self._rng.random(dtype=np.float32, out=noise)
                     np.floor(scratch, out=scratch)
-                    np.clip(scratch, -127, 127, out=scratch)  # 127 (1 + eps) + U may floor to 128
-                else:
-                    np.rint(scratch, out=scratch)  # |scaled| <= 127 (1 + eps) rounds into range
-                target[...] = scratch
-                if copy is not None:  # the codes as floats times the scale: what add_to adds
-                    scratch *= top[:, None]
-            if copy is not None:
+                    # LEVELS (1 + eps) + U may floor to LEVELS + 1
+                    np.clip(scratch, -self.LEVELS, self.LEVELS, out=scratch)
+                else:  # |scaled| <= LEVELS (1 + eps) rounds into range
+                    np.rint(scratch, out=scratch)
+            self._store(w, codes, start, stop)
+            if copy is not None:  # the codes as floats times the scale: what add_to adds
+                for index, scratch in self._rows(w):
+                    scratch *= scales[first + index.start:first + index.stop, None]
                 copy[start:stop] += w
 
     def _add_block(self, scales, codes, start: int, stop: int, target: np.ndarray) -> None:
@@ -495,6 +505,70 @@ class Int8Codec(_Lossy):
 
     def finite(self, data: np.ndarray, n: int) -> bool:
         return bool(np.isfinite(self._layout(data, n)[0]).all())
+
+
+class _PackedInt(Int8Codec):
+    """Integers of BITS < 8 bits, 8 / BITS to a byte (the first in the low bits), offset by
+    LEVELS so that they are unsigned: -LEVELS..LEVELS with LEVELS = 2^(BITS-1) - 1 (the
+    2-bit code 3 is unused). Smaller chunks than int8's keep more of each chunk above
+    the coarse rounding step."""
+
+    def _per_byte(self) -> int:
+        return 8 // self.BITS
+
+    def _code_bytes(self, n: int) -> int:
+        return -(-n // self._per_byte())
+
+    def _layout(self, data: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+        chunks = self._chunks(n)
+        return (data[:4 * chunks].view(np.float32),
+                data[4 * chunks:4 * chunks + self._code_bytes(n)])
+
+    def _store(self, rounded: np.ndarray, codes: np.ndarray, start: int, stop: int) -> None:
+        per, m = self._per_byte(), stop - start
+        unsigned = self.work(np.uint8, 0)[:m]
+        np.add(rounded[:m], self.LEVELS, out=unsigned, casting="unsafe")
+        full = m // per  # blocks start on a byte: BLOCK and CHUNK are multiples of per
+        packed = codes[start // per:start // per + self._code_bytes(m)]
+        lanes = unsigned[:full * per].reshape(full, per)
+        packed[:full] = lanes[:, 0]
+        for j in range(1, per):
+            packed[:full] |= lanes[:, j] << np.uint8(self.BITS * j)
+        if full * per < m:  # the last byte of the shard, partly filled
+            tail = unsigned[full * per:].astype(np.uint8)
+            packed[full] = np.bitwise_or.reduce(tail << (self.BITS * np.arange(len(tail),
+                                                                           dtype=np.uint8)))
+
+    def _add_block(self, scales, codes, start: int, stop: int, target: np.ndarray) -> None:
+        per, m = self._per_byte(), stop - start
+        packed = codes[start // per:start // per + self._code_bytes(m)]
+        work = self.work(np.float32, 2)[:m]
+        mask = np.uint8((1 << self.BITS) - 1)
+        for j in range(per):
+            lane = work[j::per]
+            lane[...] = (packed[:len(lane)] >> np.uint8(self.BITS * j)) & mask
+        work -= self.LEVELS
+        first = start // self.CHUNK
+        for index, rows in self._rows(work):
+            rows *= scales[first + index.start:first + index.stop, None]
+        target[start:stop] += work
+
+
+class Int4Codec(_PackedInt):
+    """4-bit integers (-7..7) with a float32 scale per 256 values: 7.8x fewer bytes."""
+
+    name, compressor = "int4", "Int4Compressor"
+    BITS, LEVELS, CHUNK = 4, 7, 256
+
+
+class Int2Codec(_PackedInt):
+    """2-bit integers (-1, 0, 1: ternary) with a float32 scale per 128 values: 14.2x fewer
+    bytes. Rounding to nearest drops every value below half its chunk's largest, so error
+    feedback carries most of the difference; the consensus step is smaller."""
+
+    name, compressor = "int2", "Int2Compressor"
+    BITS, LEVELS, CHUNK = 2, 1, 128
+    consensus_step = 0.5
 
 
 def _difference(values: np.ndarray, reference: Optional[np.ndarray], where) -> np.ndarray:
@@ -521,7 +595,8 @@ def register(cls: type[Codec]) -> type[Codec]:
     return cls
 
 
-for _cls in (Codec, FP16Codec, BF16Codec, Int8Codec, TopKCodec, RandomKCodec):
+for _cls in (Codec, FP16Codec, BF16Codec, Int8Codec, Int4Codec, Int2Codec, TopKCodec,
+             RandomKCodec):
     register(_cls)
 
 

@@ -23,7 +23,8 @@ The exchange is PushSum over the cross-node graph (``sgp``, synchronous or overl
 symmetric pairwise averaging (``dpsgd``) or nothing (``allreduce``, where the gradients were
 averaged over the world instead). Int8 and top-k gossip through compressed PushSum
 (choco.py), random-k through exact gossip on shared entries (sparse.py; mixers.py chooses);
-``local_steps`` and SlowMo decide which steps communicate (outer.py).
+``local_steps`` decides which steps communicate, and an outer optimizer (SlowMo, DiLoCo)
+moves the model after each average or gossip round of those (outer.py).
 
 In fault-tolerant mode a lost peer surfaces in any of these operations as PeerLostError. In a
 plain script the operation repairs the world there (runtime.repair) and goes on; under
@@ -123,7 +124,8 @@ class GossipEngine:
                             if options.metrics else None)
         self.progress = None
         self.elastic = telemetry.ElasticConsistency()
-        self.outer = OuterLoop(options.local_steps, options.slowmo, options.slowmo_lr)
+        self.outer = OuterLoop(options.local_steps, options.slowmo, options.slowmo_lr,
+                               options.outer_optimizer)
         self.epoch = 0
         # self.steps, set above: exchanges, the graph's iteration, equal on every rank
         self.calls = 0  # end_step calls: the user's loop position (see _world_changed)
@@ -146,7 +148,7 @@ class GossipEngine:
         self._server: Optional[threading.Thread] = None  # the served step in progress
         self._server_failure: Optional[BaseException] = None
         self._serve_target = 0  # the step the joined rank has begun serving
-        if succeeds is not None:  # (SlowMo's outer state starts afresh, as a replacement's)
+        if succeeds is not None:  # (the outer step's state starts afresh, as a replacement's)
             self.epoch = succeeds.epoch
             self.elastic, self.repairs = succeeds.elastic, succeeds.repairs
         self._enter(schedule.current(self.stages, self.epoch, self.steps))
@@ -355,6 +357,8 @@ class GossipEngine:
             exchange(mixers)
         if self.outer.synchronizes(self.steps, mode):
             self._average_parameters()
+        if self.outer.steps_outer(self.steps):
+            drain(self.mixers)  # Overlap SGP: the outer step takes the whole round's mix
             self.outer.update(self.buffers, lr)
         if self.metrics_log is not None:
             self.metrics_log.record(self.steps, self.parameters(), float(self.buffers[0][-1]), lr)
@@ -506,8 +510,8 @@ class GossipEngine:
             drain(self.mixers)
             state = {"iteration": self.steps, "epoch": self.epoch,
                      "weights": [float(b[-1]) for b in self.buffers]}
-            if self.options.slowmo is not None:
-                state["slowmo"] = self.outer.state()
+            if self.outer.step is not None:
+                state["outer"] = self.outer.state()
             if self.codec.differential:
                 state["compressed"] = [m.state() for m in self.mixers]
             return state
@@ -527,7 +531,7 @@ class GossipEngine:
                 buf[-1] = w
             self.stage, self.mixers = None, []  # restoring, not switching: nothing to average
             self._enter(schedule.current(self.stages, self.epoch, self.steps))
-            self.outer.load_state(state.get("slowmo"))
+            self.outer.load_state(state.get("outer", state.get("slowmo")))  # (older name)
             for mixer, copies in zip(self.mixers, state.get("compressed", ())):
                 mixer.load_state(copies)
         self._guard(load, "loading the SGP state")
@@ -611,6 +615,7 @@ class GossipEngine:
             self._enter(schedule.current(self.stages, self.epoch, self.steps))
             held = self._mass()
             self._fold(entry_weights)
+            self.outer.load_state(None)  # the fold replaced every anchor's model: start afresh
             if self.stage.mode == "allreduce":
                 average_arrays(list(self._optimizer_state()), self.world)
             self.repairs.append({"lost": list(change.lost), "size": self.world.Get_size(),
@@ -690,6 +695,7 @@ def describe_run(options: SgpOptions, codec: Codec = Codec()) -> str:
         label += f" {codec.spec}" + ("" if options.error_feedback or not feeds_back(codec)
                                      else " no-ef")
     label += f" H={options.local_steps}" if options.local_steps > 1 else ""
+    label += f" outer={options.outer_optimizer}" if options.outer_optimizer is not None else ""
     return label + (f" slowmo={options.slowmo:g}" if options.slowmo is not None else "")
 
 

@@ -12,8 +12,9 @@ import dataclasses
 import operator
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
+from hvd_sgp.common import outer_steps
 from hvd_sgp.common.errors import OptionError
 from hvd_sgp.common.topology import TOPOLOGIES, Topology
 
@@ -42,6 +43,7 @@ class Option:
     agree: str = "value"  # "value" | "presence" | "none"
     metavar: Optional[str] = None
     aliases: tuple = ()  # more sgprun spellings (horovodrun's)
+    check: Optional[Callable[[str, str], object]] = None  # validates a string (value, source)
 
     @property
     def env(self) -> str:
@@ -87,6 +89,8 @@ class Option:
             if value not in self.choices:
                 raise OptionError(f"{source}={value!r} is unknown; choose one of "
                                     f"{', '.join(self.choices)}")
+        if self.check is not None:
+            self.check(value, source)
         return value
 
 
@@ -110,6 +114,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("slowmo", float, None, "SlowMo's slow momentum beta, in [0, 1]: exact average and "
            "outer update every local_steps steps", minimum=0, maximum=1),
     Option("slowmo_lr", float, 1.0, "SlowMo's outer learning rate alpha", above=0),
+    Option("outer_optimizer", str, None, "outer step on the pseudo-gradient (model at the last "
+           "sync minus the averaged model) every local_steps steps, averaged exactly "
+           "(mode=allreduce, DiLoCo) or by one PushSum round (mode=sgp): diloco, "
+           "nesterov:LR:MU, heavyball:LR:MU, sgd:LR (torch: also an optimizer factory)",
+           objects=outer_steps.OuterStep, check=outer_steps.parse, metavar="SPEC"),
     Option("metrics", str, None, "append consensus metrics as JSON lines to this file",
            agree="presence", metavar="PATH"),
     Option("metrics_every", int, 10, "steps between metrics records", minimum=1),
@@ -139,8 +148,8 @@ OPTIONS: tuple[Option, ...] = (
            "survivors' averaged parameters (keep) or reloads the last commit (commit)",
            choices=("keep", "commit"), keyword=False),
     Option("compression", str, "none", "gossip codec where the script asks for none (Horovod's "
-           "compression= wins): none, fp16, bf16, int8, topk:F, randomk:F", keyword=False,
-           metavar="CODEC"),
+           "compression= wins): none, fp16, bf16, int8, int4, int2, topk:F, randomk:F",
+           keyword=False, metavar="CODEC"),
 )
 BY_NAME = {o.name: o for o in OPTIONS}
 KEYWORDS = tuple(o.name for o in OPTIONS if o.keyword)

@@ -9,13 +9,16 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
+from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from hvd_sgp.common import adapter
 from hvd_sgp.common.node import average_arrays
 from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.common.options import keyword_help
+from hvd_sgp.common.outer_steps import OuterStep
 from hvd_sgp.torch import node_nccl
 from hvd_sgp.torch import compression as compression_module
 from hvd_sgp.torch.compression import Compression
@@ -198,6 +201,48 @@ class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
             self._session.load_state(sgp_state)
 
 
+class TorchOuterStep(OuterStep):
+    """``outer_optimizer=`` given a torch optimizer factory (params -> Optimizer): the
+    optimizer it builds over the anchors (one flat CPU tensor per dtype buffer, sharing the
+    core's memory) steps with the pseudo-gradients as their ``.grad``. Its ``state_dict()``
+    is the checkpointed state."""
+
+    def __init__(self, factory: Callable[[list], torch.optim.Optimizer]):
+        self.factory = factory
+        self.optimizer = None
+        self._anchors: list = []  # what the optimizer's parameters alias
+        self._params: list = []
+        self._pending: dict = {}  # a state loaded before the optimizer exists
+
+    def apply(self, anchors: Sequence[np.ndarray], pseudo: Sequence[np.ndarray],
+              lr: float) -> None:
+        if self.optimizer is None or any(a is not b for a, b in zip(anchors, self._anchors)):
+            self._params = [torch.from_numpy(a) for a in anchors]
+            self.optimizer = self.factory(list(self._params))
+            if not isinstance(self.optimizer, torch.optim.Optimizer):
+                raise SgpValueError(f"outer_optimizer's factory returned "
+                                    f"{type(self.optimizer).__name__}, not a torch optimizer")
+            self._anchors = list(anchors)
+            if self._pending:
+                self.optimizer.load_state_dict(self._pending)
+                self._pending = {}
+        for p, d in zip(self._params, pseudo):
+            p.grad = torch.from_numpy(d)
+        self.optimizer.step()
+
+    def state(self) -> dict:
+        return {} if self.optimizer is None else {"torch": self.optimizer.state_dict()}
+
+    def load_state(self, state: dict) -> None:
+        self.optimizer, self._anchors = None, []  # built again over the restored anchors
+        self._pending = state.get("torch", {})
+
+    def __repr__(self) -> str:  # the same on every rank
+        factory = self.factory
+        return f"torch:{getattr(factory, '__module__', '')}." \
+               f"{getattr(factory, '__qualname__', type(factory).__name__)}"
+
+
 def _check_named_parameters(named_parameters, all_params) -> dict:
     """Horovod's checks: (name, parameter) tuples, unique names, every parameter named."""
     if named_parameters is None:
@@ -234,6 +279,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     back sparse, which is what Horovod's ``sparse_as_dense=True`` does (accepted; here it is
     always so).
     """
+    outer = sgp.get("outer_optimizer")
+    if callable(outer) and not isinstance(outer, OuterStep):
+        sgp = {**sgp, "outer_optimizer": TorchOuterStep(outer)}
     config = adapter.settings(op, compression, sgp, gradient_predivide_factor,
                               backward_passes_per_step, compression_module.TENSORS, process_set)
     if isinstance(optimizer, torch.optim.LBFGS):

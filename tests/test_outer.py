@@ -1,0 +1,151 @@
+"""Outer optimizers (hvd_sgp/common/outer.py, outer_steps.py).
+
+In one process, through the simulator's PushSum (the core's mixers), with hypothesis over
+random directed graphs: the outer step over gossip leaves every PushSum weight as it is (they
+sum to n), gossip rounds between outer steps conserve the numerators, the outer step moves the
+numerators by exactly sum_i w_i (new z_i - z_i), and on a graph whose weights stay 1 the
+network's average follows DiLoCo on the averaged pseudo-gradient exactly. On real MPI
+(outer_checks.py, 4 ranks): DiLoCo over AllReduce and over gossip, factories, resume.
+"""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hvd_sgp.common import options
+from hvd_sgp.common.errors import OptionError
+from hvd_sgp.common.outer import OuterLoop
+from hvd_sgp.common.outer_steps import MomentumStep, parse
+from hvd_sgp.common.topology import ExponentialGraph
+from hvd_sgp.runner import launch
+from hvd_sgp.sim import SimNetwork
+from mpi_launch import run_mpi
+from test_properties import graphs
+
+SPECS = ["diloco", "nesterov:0.5:0.8", "heavyball:1:0.5", "sgd:0.7", "sgd:1"]
+
+
+def test_outer_checks_on_four_ranks():
+    out = run_mpi(4, "outer_checks.py", timeout=900).stdout
+    print(out)
+    assert "all outer checks passed on 4 ranks" in out
+
+
+def test_two_rank_nodes():
+    """HVD_SGP_LOCAL_SIZE=2: each local rank gossips its shard, and every local rank takes
+    the node's outer step alike."""
+    out = run_mpi(4, "outer_checks.py", "check_diloco_over_allreduce",
+                  "check_diloco_over_gossip", "check_outer_state_resumes_exactly",
+                  env={"HVD_SGP_LOCAL_SIZE": "2"}, timeout=900).stdout
+    assert "all outer checks passed on 4 ranks" in out
+
+
+def test_presets_and_the_options_table():
+    diloco = parse("diloco")
+    assert (diloco.lr, diloco.momentum, diloco.nesterov) == (0.7, 0.9, True)
+    assert repr(parse("Heavyball:1:0.5")) == "heavyball:1:0.5"
+    assert options.resolve(outer_optimizer="diloco").outer_optimizer == "diloco"
+    for bad in ("adam", "sgd", "sgd:0", "nesterov:1:2", "nesterov:x:0.9"):
+        with pytest.raises(OptionError, match="outer_optimizer"):
+            options.resolve(outer_optimizer=bad)
+    with pytest.raises(OptionError, match="HVD_SGP_OUTER_OPTIMIZER"):
+        options.from_environment("outer_optimizer", {"HVD_SGP_OUTER_OPTIMIZER": "adam"})
+    assert options.environment({"outer_optimizer": "diloco"}) == {
+        "HVD_SGP_OUTER_OPTIMIZER": "diloco"}
+    args = launch.parse_args(["-np", "2", "--outer-optimizer", "nesterov:0.5:0.8", "python"])
+    assert launch.sgp_environment(args)["HVD_SGP_OUTER_OPTIMIZER"] == "nesterov:0.5:0.8"
+    with pytest.raises(SystemExit):  # argparse names the flag and the problem
+        launch.parse_args(["-np", "2", "--outer-optimizer", "adam", "python"])
+
+
+def test_nesterov_is_torchs_sgd():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    anchor = rng.normal(size=7)
+    mine = [anchor.copy()]
+    theirs = torch.tensor(anchor.copy())
+    opt = torch.optim.SGD([theirs], lr=0.7, momentum=0.9, nesterov=True)
+    step = parse("diloco")
+    for _ in range(5):
+        d = rng.normal(size=7)
+        step.apply(mine, [d], lr=0.1)
+        theirs.grad = torch.tensor(d)
+        opt.step()
+    assert np.allclose(mine[0], theirs.numpy(), rtol=0, atol=1e-12)
+
+
+def test_slowmo_is_the_scaled_heavy_ball_preset():
+    """SlowMo's update as the paper writes it, against the loop's preset."""
+    loop = OuterLoop(2, slowmo=0.6, slowmo_lr=0.8)
+    assert isinstance(loop.step, MomentumStep) and loop.gossips_between
+    rng = np.random.default_rng(1)
+    buf = [np.append(rng.normal(size=5), 1.0)]
+    x0, u = buf[0][:-1].copy(), np.zeros(5)
+    loop.update(buf, 0.1)  # records the anchor
+    for k in range(6):
+        lr = 0.1 * (1 + k % 3)
+        buf[0][:-1] += rng.normal(size=5)
+        u = 0.6 * u + (x0 - buf[0][:-1]) / lr
+        x0 = x0 - 0.8 * lr * u
+        loop.update(buf, lr)
+        assert np.allclose(buf[0][:-1], x0, rtol=0, atol=1e-12)
+    assert buf[0][-1] == 1.0
+
+
+def gossip_outer(net: SimNetwork, spec: str, rounds: int, local: int, seed: int):
+    """Gossip DiLoCo on the simulator: per round ``local`` random local steps on every node,
+    one PushSum round, then each node's outer step on its de-biased mix. Yields, per round,
+    (mass before the round, mass after it, weights after it, (z, w) before the outer step)."""
+    rng = np.random.default_rng(seed)
+    loops = [OuterLoop(local, outer_optimizer=spec) for _ in range(net.n)]
+    for i, loop in enumerate(loops):
+        loop.update([net.buffers[i]], 0.1)  # the first sync records the anchors
+    for _ in range(rounds):
+        for _ in range(local):
+            net.params[...] -= 0.1 * rng.normal(size=net.params.shape)
+        before = net.mass()
+        net.step()
+        after = net.mass()
+        mixed = net.buffers.copy()
+        for i, loop in enumerate(loops):
+            loop.update([net.buffers[i]], 0.1)
+        yield before, after, mixed
+
+
+@settings(max_examples=25, deadline=None)
+@given(graph=graphs(), spec=st.sampled_from(SPECS), rounds=st.integers(1, 6),
+       local=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_the_outer_step_over_gossip_conserves_pushsum_mass(graph, spec, rounds, local, seed):
+    net = SimNetwork(graph, 3, seed=seed)
+    net.params[...] = 1 + np.random.default_rng(seed).normal(size=net.params.shape)
+    for before, after, mixed in gossip_outer(net, spec, rounds, local, seed):
+        # the round conserves the numerators and the weight (nothing in flight afterwards)
+        assert np.allclose(after[0], before[0], rtol=1e-12, atol=1e-12)
+        assert after[1] == pytest.approx(net.n, abs=1e-12)
+        # the outer step leaves every weight as the round left it
+        assert np.array_equal(net.buffers[:, -1], mixed[:, -1])
+        assert net.weights().sum() == pytest.approx(net.n, abs=1e-12)
+        # and moves the numerators by sum_i w_i (z_i' - z_i), nothing else
+        moved = (mixed[:, -1:] * (net.params - mixed[:, :-1])).sum(axis=0)
+        assert np.allclose(net.mass()[0] - after[0], moved, rtol=1e-12, atol=1e-12)
+        if spec == "sgd:1":  # the identity outer step: the gossip round's mix (to rounding)
+            assert np.allclose(net.buffers, mixed, rtol=0, atol=1e-12)
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(2, 33), spec=st.sampled_from(SPECS), rounds=st.integers(1, 8),
+       local=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_on_weights_that_stay_one_the_average_follows_diloco(n, spec, rounds, local, seed):
+    """Everything is linear and gossip keeps the average: the nodes' mean takes the outer
+    step of the mean pseudo-gradient, as DiLoCo over AllReduce would from that mean."""
+    net = SimNetwork(ExponentialGraph(n), 4, seed=seed)
+    net.params[...] = 1 + np.random.default_rng(seed).normal(size=net.params.shape)
+    reference = parse(spec)
+    anchor = [net.params.mean(axis=0)]
+    progress = []
+    for before, after, mixed in gossip_outer(net, spec, rounds, local, seed):
+        assert np.array_equal(net.weights(), np.ones(n))
+        average = after[0] / n  # the mean of the round's mix = the mean before it
+        reference.apply(anchor, [anchor[0] - average], 0.1)
+        progress.append(np.abs(net.params.mean(axis=0) - anchor[0]).max())
+    assert max(progress) < 1e-9, progress
