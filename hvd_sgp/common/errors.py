@@ -3,14 +3,19 @@ readable; ``error.rank`` holds it (None before init). Subclasses say what kind o
 wrong, so callers and tests can tell them apart without reading the message."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
+
+_rank_source: list = [lambda: None]  # runtime names the rank once it has one
+
+
+def name_ranks_by(source: Callable[[], Optional[int]]) -> None:
+    """Where errors and messages read the calling rank (runtime, at import: errors import
+    nothing of hvd_sgp, so every module may import them)."""
+    _rank_source[0] = source
 
 
 def _rank() -> Optional[int]:
-    # Imported lazily: runtime imports this module.
-    from hvd_sgp.common import runtime
-
-    return runtime.rank() if runtime.is_initialized() else None
+    return _rank_source[0]()
 
 
 def on_rank(message: str) -> str:

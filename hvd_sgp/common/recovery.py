@@ -57,6 +57,8 @@ class _Status:
         self.replacement = False  # this process replaced a lost rank (runtime._arrive)
         self.watchdog: Optional[threading.Thread] = None
         self.stop = threading.Event()
+        self.revoke_all: Callable[[], None] = lambda: None  # the runtime's (configure)
+        self.origin: Optional[int] = None  # this rank's launch rank, once initialized
 
 
 _status = _Status()
@@ -67,8 +69,12 @@ def enabled() -> bool:
     return _status.enabled
 
 
-def configure(world_revoked: Callable[[], bool], origin: int) -> None:
-    """At init: read HVD_SGP_FAULT_TOLERANT, check that MPI can do it, start the watchdog."""
+def configure(world_revoked: Callable[[], bool], revoke_all: Callable[[], None],
+              origin: int) -> None:
+    """At init: read HVD_SGP_FAULT_TOLERANT, check that MPI can do it, start the watchdog.
+    ``revoke_all`` revokes every hvd_sgp communicator; ``origin`` names this rank for good
+    (the runtime's, handed in: recovery imports no runtime)."""
+    _status.revoke_all, _status.origin = revoke_all, origin
     _status.enabled = bool(options.from_environment("fault_tolerant"))
     if not _status.enabled:
         return
@@ -111,10 +117,8 @@ def is_failure(error: BaseException) -> bool:
 
 def lost(message: str) -> PeerLostError:
     """Revoke every hvd_sgp communicator (so every rank learns) and return the error to raise."""
-    from hvd_sgp.common import runtime
-
     _status.failure_noticed = True
-    runtime.revoke_all()
+    _status.revoke_all()
     return PeerLostError(f"{message}; the survivors repair the world and go on")
 
 
@@ -284,10 +288,8 @@ def leave_by_plan(reason: str) -> None:
     host was removed): the others have already formed their world without it. Without
     MPI_Finalize, which would wait for the others' (ULFM reports the exit to nobody who
     still communicates with this rank)."""
-    from hvd_sgp.common import runtime
-
     print(on_rank(f"leaves the job: {reason}"), file=sys.stderr, flush=True)
-    fault_record.write("left", runtime.origin_rank())
+    fault_record.write("left", _status.origin)
     sys.stdout.flush()
     _status.stop.set()
     os._exit(0)
@@ -299,10 +301,8 @@ def leave() -> None:
     non-zero exit status: Open MPI 5.0's runtime counts a rank that exits non-zero twice
     towards the job's end, so a few of them end the job under the survivors' feet (sgprun
     reads the 'failed' record instead of the status)."""
-    from hvd_sgp.common import runtime
-
-    if runtime.is_initialized():
-        fault_record.write("failed", runtime.origin_rank())
+    if _status.origin is not None:
+        fault_record.write("failed", _status.origin)
     sys.stdout.flush()
     sys.stderr.flush()
     os.kill(os.getpid(), signal.SIGKILL)

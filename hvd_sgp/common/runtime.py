@@ -25,7 +25,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from hvd_sgp.common import discovery, fault_record, options, recovery, watchdog
+from hvd_sgp.common import discovery, errors, fault_record, options, recovery, watchdog
 from hvd_sgp.common.errors import (NotInitializedError, OptionError, PeerLostError,
                                    PeerTimeoutError, SgpError, SgpValueError)
 from hvd_sgp.common.mpi import MPI
@@ -138,7 +138,7 @@ def init(comm: Optional[MPI.Comm] = None) -> None:
         if discovered is not None:
             _state.discovered = discovered
             _state.allocated = {name for name, _ in discovered}
-    recovery.configure(_world_revoked, _state.origin)
+    recovery.configure(_world_revoked, revoke_all, _state.origin)
     watchdog.start(_state.world, _state.origins, float(options.from_environment("timeout")),
                    _state.thread_level >= MPI.THREAD_MULTIPLE)
     _abort_on_uncaught_errors()
@@ -206,6 +206,7 @@ def shutdown() -> None:
 
 
 atexit.register(shutdown)
+errors.name_ranks_by(lambda: _state.world.Get_rank() if _state is not None else None)
 
 
 def is_initialized() -> bool:
