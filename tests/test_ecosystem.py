@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mpi_launch import REPO
+from mpi_launch import REPO, run_mpi
 
 EXTRAS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
 
@@ -67,3 +67,9 @@ def test_a_torchvision_script_trains_with_sgp():
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("resnet18 trained 4 steps") == 2, proc.stdout
+
+
+def test_step_with_a_closure_averages_the_closures_gradients():
+    """Lightning calls optimizer.step(closure) with forward and backward inside the closure."""
+    out = run_mpi(2, "closure_checks.py", timeout=200).stdout
+    assert out.count("step(closure) kept one model") == 2
