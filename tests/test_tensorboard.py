@@ -59,7 +59,11 @@ def test_torch_summary_writer_holds_sgp_scalars(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
                     reason="tensorflow is not installed (pip install hvd_sgp[tensorflow])")
-def test_keras_callback_holds_sgp_scalars(tmp_path):
-    out = run_mpi(N, "tensorboard_checks.py", "keras", str(tmp_path), timeout=240).stdout
+@pytest.mark.parametrize("legacy", ["0", "1"], ids=["keras3", "tf_keras"])
+def test_keras_callback_holds_sgp_scalars(tmp_path, legacy):
+    if legacy == "1" and importlib.util.find_spec("tf_keras") is None:
+        pytest.skip("tf_keras is not installed (pip install hvd_sgp[legacy-keras])")
+    out = run_mpi(N, "tensorboard_checks.py", "keras", str(tmp_path), timeout=240,
+                  env={"TF_USE_LEGACY_KERAS": legacy}).stdout
     assert out.count("keras figures written") == N
     check_figures(read_events(tmp_path), [0, 1, 2])
