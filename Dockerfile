@@ -63,7 +63,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY hvd_sgp ./hvd_sgp
 # The README's install with the GPU frameworks: PyPI's torch is the CUDA build, and
-# tensorflow[and-cuda] replaces the tensorflow-cpu of the "all" extra (the two cannot coexist).
+# tensorflow[and-cuda] is the "tensorflow" extra's one TensorFlow with its CUDA libraries.
 # Both bring their CUDA libraries as nvidia-* wheels (torch 2.13: CUDA 13, which needs an
 # NVIDIA driver >= 580 on the host; TensorFlow: CUDA 12), so the base image's CUDA only has to
 # be compatible, not equal.

@@ -32,7 +32,7 @@ def test_sync_batch_norm_three_ranks():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tf_keras") is None,
-                    reason="tf_keras is not installed (pip install hvd_sgp[tensorflow])")
+                    reason="tf_keras is not installed (pip install hvd_sgp[legacy-keras])")
 def test_tensorflow_checks_tf_keras():
     out = run_mpi(2, "tensorflow_checks.py", env={"TF_USE_LEGACY_KERAS": "1"},
                   timeout=480).stdout

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from hvd_sgp.common import options as sgp_options
-from hvd_sgp.common import recovery, runtime
+from hvd_sgp.common import recovery, runtime, telemetry
 from hvd_sgp.common.codecs import Codec
 from hvd_sgp.common.engine import BufferAccess, GossipEngine, StepPlan
 from hvd_sgp.common.errors import NotInitializedError, PeerLostError, SgpValueError
@@ -284,6 +284,19 @@ class GossipMethods:
         and the elastic-consistency estimate (largest deviation seen / learning rate). Call
         it on every rank."""
         return self._sgp_session().consensus(self._sgp_learning_rate())
+
+    def sgp_scalars(self, consensus: bool = True) -> dict:
+        """This rank's figures under the names every logger uses (telemetry.LOCAL_SCALARS,
+        CONSENSUS_SCALARS); ``consensus`` adds the deviation, consensus distance and
+        elastic-consistency estimate (one allreduce: call it on every rank)."""
+        return telemetry.scalars(self.metrics(), self.consensus_metrics() if consensus else None)
+
+    def gathered_sgp_scalars(self, consensus: bool = True) -> dict:
+        """Every rank's ``sgp_scalars()`` on every rank, as ``name/rank<r>`` (the consensus
+        distance once): what a logger on rank 0 writes. A collective of the global process
+        set: every rank calls it."""
+        rows = collectives.allgather_object(self.sgp_scalars(consensus), name="hvd_sgp.scalars")
+        return telemetry.by_rank(rows)
 
     def sgp_state(self) -> dict:
         """PushSum weights, iteration and epoch, for a checkpoint beside the model's (local;

@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -40,6 +40,37 @@ def consensus(params: np.ndarray, comm: MPI.Comm) -> dict:
         "distance": float(np.sqrt(max(packed[-1] / n - mean @ mean, 0.0))),
         "mean_norm": norm,
     }
+
+
+# The names SGP's figures go by in every logger (Keras logs, TensorBoard, Lightning): name ->
+# key in engine.metrics() (local, free) or in engine.consensus() (one allreduce).
+LOCAL_SCALARS = {"sgp_weight": "weight", "sgp_wait_seconds": "total_wait_seconds",
+                 "sgp_bytes_sent": "bytes_sent"}
+CONSENSUS_SCALARS = {"sgp_deviation": "deviation", "sgp_elastic": "elastic",
+                     "sgp_distance": "distance"}
+NETWORK_SCALARS = ("sgp_distance",)  # equal on every rank: one value, not one per rank
+
+
+def scalars(figures: dict, consensus_figures: Optional[dict] = None) -> dict:
+    """This rank's figures under the loggers' names (consensus ones when given)."""
+    named = {name: float(figures[key]) for name, key in LOCAL_SCALARS.items()}
+    if consensus_figures is not None:
+        named.update({name: float(consensus_figures[key])
+                      for name, key in CONSENSUS_SCALARS.items()})
+    return named
+
+
+def by_rank(rows: Sequence[dict]) -> dict:
+    """Every rank's scalars (``rows[r]`` from rank r) as one dict for a logger on one rank:
+    ``name/rank<r>`` per rank, the network-wide ones once under their own name."""
+    named = {}
+    for rank, row in enumerate(rows):
+        for name, value in row.items():
+            if name in NETWORK_SCALARS:
+                named[name] = value
+            else:
+                named[f"{name}/rank{rank}"] = value
+    return named
 
 
 class ElasticConsistency:

@@ -132,6 +132,10 @@ class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
     _step_supports_amp_scaling = True
 
     def step(self, closure=None):
+        loss = None
+        if closure is not None:  # its backward first: the exchange below averages its gradients
+            with torch.enable_grad():
+                loss = closure()
         scaling = {key: self.__dict__.pop(key) for key in ("grad_scale", "found_inf")
                    if key in self.__dict__}  # set by GradScaler.step; it deletes them after
         try:
@@ -147,9 +151,8 @@ class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
             else:
                 self.synchronize()
             self._synchronized = False
-            loss = None
             if self._unscale(scaling.get("grad_scale"), scaling.get("found_inf")):
-                loss = super(self.__class__, self).step(closure)
+                super(self.__class__, self).step()
             self._session.end_step(self.param_groups[0]["lr"])
             return loss
         finally:

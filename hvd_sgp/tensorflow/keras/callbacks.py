@@ -248,11 +248,49 @@ class SgpMetricsCallback(keras.callbacks.Callback):
         if logs is None:
             return
         optimizer = sgp_optimizer(self.model, "SgpMetricsCallback")
-        figures = optimizer.metrics()
-        logs.update({"sgp_weight": figures["weight"],
-                     "sgp_wait_seconds": figures["total_wait_seconds"],
-                     "sgp_bytes_sent": figures["bytes_sent"]})
-        if self.consensus:
-            c = optimizer.consensus_metrics()
-            logs.update({"sgp_deviation": c["deviation"], "sgp_distance": c["distance"],
-                         "sgp_elastic": c["elastic"]})
+        logs.update(optimizer.sgp_scalars(self.consensus))
+
+
+class SgpTensorBoardCallback(keras.callbacks.Callback):
+    """Every rank's SGP figures as TensorBoard scalars, written by rank 0 to ``log_dir`` with
+    tf.summary: ``sgp_weight/rank<r>``, ``sgp_wait_seconds/rank<r>``,
+    ``sgp_bytes_sent/rank<r>`` and, with ``consensus=True``, ``sgp_deviation/rank<r>``,
+    ``sgp_elastic/rank<r>`` and ``sgp_distance``. At the end of each epoch (step = epoch), or
+    every ``update_freq`` batches (step = batches trained). Every rank needs it in its
+    callbacks: the figures are gathered (and the consensus measured) collectively."""
+
+    def __init__(self, log_dir: str, update_freq: Union[str, int] = "epoch",
+                 consensus: bool = True):
+        super().__init__()
+        if update_freq != "epoch" and not (isinstance(update_freq, int) and update_freq > 0):
+            raise SgpValueError(f"update_freq must be 'epoch' or a positive number of batches, "
+                                f"got {update_freq!r} on rank {runtime.rank()}")
+        self.log_dir, self.update_freq, self.consensus = log_dir, update_freq, consensus
+        self._writer = None
+        self._batches = 0
+
+    def _write(self, step: int) -> None:
+        figures = sgp_optimizer(self.model, "SgpTensorBoardCallback").gathered_sgp_scalars(
+            self.consensus)
+        if runtime.rank() != 0:
+            return
+        if self._writer is None:
+            self._writer = tf.summary.create_file_writer(self.log_dir)
+        with self._writer.as_default():
+            for name, value in figures.items():
+                tf.summary.scalar(name, value, step=step)
+        self._writer.flush()
+
+    def on_train_batch_end(self, batch, logs=None) -> None:
+        self._batches += 1
+        if self.update_freq != "epoch" and self._batches % self.update_freq == 0:
+            self._write(self._batches)
+
+    def on_epoch_end(self, epoch, logs=None) -> None:
+        if self.update_freq == "epoch":
+            self._write(epoch)
+
+    def on_train_end(self, logs=None) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
