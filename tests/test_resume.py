@@ -42,3 +42,19 @@ def test_horovod_rank0_checkpoint_recipe(tmp_path, layout):
         assert f"all resume {phase} checks passed on {n} ranks" in outputs[phase]
     exact = outputs["resume"].count("the resumed run equals the uninterrupted one")
     assert exact == (10 if layout == "one-node" else 1), outputs["resume"]
+
+
+@pytest.mark.parametrize("legacy", ["0", "1"], ids=["keras3", "tf_keras"])
+@pytest.mark.parametrize("layout", ["own-nodes", "one-node"])
+def test_keras_load_model_resume(tmp_path, layout, legacy):
+    """keras_imagenet_resnet50.py's resume: epoch 1, rank 0's checkpoint; the second launch
+    loads it on rank 0 with hvd.load_model, the others build afresh, fit from initial_epoch
+    with BroadcastGlobalVariablesCallback (whose broadcast the ranks now agree on: rank 0's
+    optimizer is built, the others' are not)."""
+    local, n = LAYOUTS[layout]
+    env = {"HVD_SGP_LOCAL_SIZE": local, "TF_USE_LEGACY_KERAS": legacy, "HVD_SGP_TIMEOUT": "120"}
+    for phase in ("first", "resume"):
+        out = run_mpi(n, "keras_resume_checks.py", phase, str(tmp_path), env=env,
+                      timeout=600).stdout
+        assert f"all keras resume {phase} checks passed on {n} ranks" in out, out
+    assert "resume: resumed from epoch 1, trained 1 epoch(s); optimizer at step 16" in out

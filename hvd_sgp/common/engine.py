@@ -501,11 +501,13 @@ class GossipEngine:
         its per-rank part is not restored (``synchronize_gossip()`` on every rank first makes
         it exact)."""
         def read() -> dict:
-            if self.local.Get_size() == 1:
+            live = not self.retired  # (a retired engine's communicators went with its world)
+            if live and self.local.Get_size() == 1:
                 drain(self.mixers)  # point to point only: the peers' sends are posted
             state = {"iteration": self.steps, "epoch": self.epoch,
                      "weights": [float(b[-1]) for b in self.buffers],
-                     "rank": self.world.Get_rank(), "size": self.world.Get_size(),
+                     "rank": self.world.Get_rank() if live else None,
+                     "size": self.world.Get_size() if live else None,
                      "settled": not _in_flight(self.mixers)}
             if self.options.slowmo is not None:
                 state["slowmo"] = self.outer.state()
