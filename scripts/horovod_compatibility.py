@@ -273,7 +273,59 @@ def render() -> str:
             shown = " ".join(f"`{s}`" for s in row.name.split())
             lines.append(f"| {shown} | {verdict} | {text.replace('|', '/')} |")
         lines.append("")
-    return "\n".join(lines + _suite_section())
+    return "\n".join(lines + CHECKPOINTS + _suite_section())
+
+
+# The checkpoint contract (hvd_sgp/common/checkpoint.py), what each style restores.
+CHECKPOINTS = [
+    "## Checkpoints", "",
+    "An SGP optimizer's state beyond the wrapped optimizer's is of two kinds. **Shared** by "
+    "every rank in step: the iteration (the graph's position, the schedule's stage), the "
+    "epoch and SlowMo's outer state (taken on exactly averaged models). **Per rank**: the "
+    "PushSum weights, int8/top-k gossip's public copies (error feedback lives in them) and "
+    "random-k's run weights; they are exact only with the same rank's parameters and its "
+    "peers' per-rank state. `optimizer.state_dict()` (torch) carries both under the key "
+    "`\"hvd_sgp\"`, as tensors and plain numbers (`torch.load`'s default `weights_only` "
+    "reads it), with the rank, the world size and whether anything was in flight. It is "
+    "local: Horovod's examples call it on rank 0 alone.", "",
+    "| style | what a user does | what it restores |",
+    "| --- | --- | --- |",
+    "| rank-0 checkpoint (Horovod's) | rank 0 saves `model.state_dict()` and "
+    "`optimizer.state_dict()`; to resume, rank 0 loads both, then every rank calls "
+    "`broadcast_parameters(model.state_dict(), 0)` and `broadcast_optimizer_state(optimizer, "
+    "0)` | rank 0's model and wrapped-optimizer state on every rank, rank 0's shared SGP "
+    "state; per-rank state afresh on every rank (weight 1, copies reopened by the next "
+    "exact message): the state of a consensus. In one SGP node (no gossip) and in "
+    "`mode='allreduce'` the resumed run equals the uninterrupted one. A plain torch or real "
+    "Horovod checkpoint (no `\"hvd_sgp\"` entry) loads the same way, at the iteration the "
+    "optimizer stands at |",
+    "| per-rank checkpoints | every rank saves and loads its own `optimizer.state_dict()` "
+    "(and model) | everything, exactly: a run resumed from them equals the uninterrupted one. "
+    "Only where every rank loads its own state of the same world with nothing in flight "
+    "(Overlap SGP in nodes of several ranks: call `synchronize_gossip()` on every rank "
+    "before saving); otherwise every rank keeps the shared part and starts its per-rank "
+    "state afresh (e.g. rank 0's file loaded on every rank, or a world of another size) |",
+    "| elastic state (`hvd.elastic.TorchState`, `KerasState`) | `state.commit()`; after a "
+    "lost rank `hvd.elastic.run` restores the last commit and syncs from rank 0 | the "
+    "commit's model and optimizer, synced from rank 0 as in the first style (rank 0's "
+    "iteration, weight 1 everywhere); a replacement rank starts in step with the "
+    "survivors |", "",
+    "Ranks whose loaded state puts them at different iterations (a checkpoint loaded on some "
+    "ranks without the broadcasts, or per-rank files of different steps) are found at their "
+    "first step: every rank raises `ConsistencyError` naming each rank's iteration, at once. "
+    "The check is one small allgather at the first step after an optimizer starts or loads "
+    "state, never on other steps; a rank that loads alone into an optimizer that already "
+    "stepped is found at `HVD_SGP_TIMEOUT` instead. Optimizers can be rebuilt at any time "
+    "(every rank at the same point, as Horovod requires): a dropped one closes when it is "
+    "collected, and several can train side by side, each with its own iteration. An LR "
+    "scheduler's `state_dict()` saves and loads as under Horovod (`broadcast_object` it "
+    "from rank 0). Keras: `hvd.load_model` on rank 0 with `initial_epoch` and "
+    "`BroadcastGlobalVariablesCallback(0)`, as Horovod's `keras_imagenet_resnet50.py` "
+    "(Keras 3 and tf_keras): the callback broadcasts rank 0's model and optimizer variables "
+    "(the step count with them) before the first step where every rank's optimizer is built, "
+    "else after it, the ranks agreeing which; the SGP state starts afresh at iteration 0 on "
+    "every rank.", "",
+]
 
 
 def _suite_section() -> list[str]:

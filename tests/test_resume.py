@@ -1,5 +1,12 @@
-"""A 4-rank run killed at step 10 and resumed from its per-rank checkpoints continues exactly as
-an uninterrupted run (parameters, optimizer state, PushSum weight and iteration restored)."""
+"""Checkpoints on real MPI processes.
+
+A 4-rank run killed at step 10 and resumed from its per-rank checkpoints continues exactly as
+an uninterrupted run (parameters, optimizer state, PushSum weight and iteration restored).
+
+Horovod's recipe (rank 0 saves; a second launch, or a rebuilt optimizer, loads on rank 0 and
+broadcasts), in every SGP mode and every layout: horovod_resume_checks.py.
+"""
+import pytest
 import torch
 
 from mpi_launch import run_mpi
@@ -16,3 +23,38 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path):
         assert torch.allclose(full, resumed, atol=1e-6, rtol=0), (rank, (full - resumed).abs().max())
     weights = torch.load(tmp_path / "ckpt_1.pt")["optimizer"]["hvd_sgp"]["weights"]
     assert weights[0] != 1.0  # the random graph is not doubly stochastic: the weight mattered
+
+
+# HVD_SGP_LOCAL_SIZE: every rank its own node, the machine one node, nodes of two ranks
+LAYOUTS = {"own-nodes": ("1", 2), "one-node": ("", 2), "two-rank-nodes": ("2", 4)}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_horovod_rank0_checkpoint_recipe(tmp_path, layout):
+    """Launch 1 saves rank 0's checkpoint in every mode; launch 2 resumes from it with
+    Horovod's recipe; a third launch rebuilds optimizers mid-run, reads plain torch
+    checkpoints and LR schedulers, and names ranks that are out of step."""
+    local, n = LAYOUTS[layout]
+    outputs = {}
+    for phase in ("save", "resume", "inline"):
+        outputs[phase] = run_mpi(n, "horovod_resume_checks.py", phase, str(tmp_path),
+                                 env={"HVD_SGP_LOCAL_SIZE": local}, timeout=600).stdout
+        assert f"all resume {phase} checks passed on {n} ranks" in outputs[phase]
+    exact = outputs["resume"].count("the resumed run equals the uninterrupted one")
+    assert exact == (10 if layout == "one-node" else 1), outputs["resume"]
+
+
+@pytest.mark.parametrize("legacy", ["0", "1"], ids=["keras3", "tf_keras"])
+@pytest.mark.parametrize("layout", ["own-nodes", "one-node"])
+def test_keras_load_model_resume(tmp_path, layout, legacy):
+    """keras_imagenet_resnet50.py's resume: epoch 1, rank 0's checkpoint; the second launch
+    loads it on rank 0 with hvd.load_model, the others build afresh, fit from initial_epoch
+    with BroadcastGlobalVariablesCallback (whose broadcast the ranks now agree on: rank 0's
+    optimizer is built, the others' are not)."""
+    local, n = LAYOUTS[layout]
+    env = {"HVD_SGP_LOCAL_SIZE": local, "TF_USE_LEGACY_KERAS": legacy, "HVD_SGP_TIMEOUT": "120"}
+    for phase in ("first", "resume"):
+        out = run_mpi(n, "keras_resume_checks.py", phase, str(tmp_path), env=env,
+                      timeout=600).stdout
+        assert f"all keras resume {phase} checks passed on {n} ranks" in out, out
+    assert "resume: resumed from epoch 1, trained 1 epoch(s); optimizer at step 16" in out

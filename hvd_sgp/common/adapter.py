@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from hvd_sgp.common import options as sgp_options
-from hvd_sgp.common import recovery, runtime, telemetry
+from hvd_sgp.common import checkpoint, recovery, runtime, telemetry
 from hvd_sgp.common.codecs import Codec
 from hvd_sgp.common.engine import BufferAccess, GossipEngine, StepPlan
 from hvd_sgp.common.errors import NotInitializedError, PeerLostError, SgpValueError
@@ -185,8 +185,18 @@ class SgpSession:
         return self._engine.state()
 
     def load_state(self, state: dict) -> None:
+        """Restore ``state()`` on this rank (see checkpoint.py for what a rank restores)."""
         self.engine.load_state(state)
         self._epoch = self.engine.epoch
+
+    def adopt(self, root_state: dict) -> None:
+        """After a broadcast of root's ``state()`` (Horovod's recipe, every rank): root's
+        shared part, and per-rank state afresh. An engine not started yet (a replacement's,
+        or a survivor's successor) starts in step with its peers: nothing to do but the epoch."""
+        shared = checkpoint.shared(root_state)
+        self._epoch = int(shared.get("epoch", self._epoch))
+        if self.started:
+            self._engine.adopt(shared)
 
     @property
     def closed(self) -> bool:

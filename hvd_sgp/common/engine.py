@@ -44,7 +44,7 @@ from typing import Callable, Optional, Protocol, Sequence, TypeVar
 
 import numpy as np
 
-from hvd_sgp.common import recovery, runtime, schedule, telemetry, watchdog
+from hvd_sgp.common import checkpoint, recovery, runtime, schedule, telemetry, watchdog
 from hvd_sgp.common.arrays import kit_for
 from hvd_sgp.common.codecs import Codec, codec as make_codec
 from hvd_sgp.common.errors import ConsistencyError, PeerLostError, SgpValueError
@@ -148,6 +148,8 @@ class GossipEngine:
         self._server: Optional[threading.Thread] = None  # the served step in progress
         self._server_failure: Optional[BaseException] = None
         self._serve_target = 0  # the step the joined rank has begun serving
+        self._check_position = True  # agree on the iteration at the next step (checkpoint.py)
+        self._restored = False  # this rank's own per-rank state was loaded (exact resume)
         if succeeds is not None:  # (the outer step's state starts afresh, as a replacement's)
             self.epoch = succeeds.epoch
             self.elastic, self.repairs = succeeds.elastic, succeeds.repairs
@@ -264,6 +266,7 @@ class GossipEngine:
         if call < self._skip_until:  # realigning after a repair: a local step only
             self._planned_ranks = 1
             return StepPlan(self.stage.mode, False, False, 1)
+        self._agree_position()
         if call == self._resync_at:
             self._average_parameters()
             self.repairs[-1]["met_at"] = call  # (the repair's record: the survivors met)
@@ -340,6 +343,7 @@ class GossipEngine:
         self._guard(lambda: self._end_step(lr), "the exchange", retry=False)
 
     def _end_step(self, lr: float) -> None:
+        self._agree_position()  # (an adapter that needs no begin_step comes here first)
         mode = self.stage.mode
         if self.steps == 0 and self.cross.Get_size() == 1:
             for buf in self.buffers:  # once: local ranks whose start was not broadcast agree
@@ -505,11 +509,20 @@ class GossipEngine:
 
     # --- state and figures ---------------------------------------------------------------
     def state(self) -> dict:
-        """The checkpoint contract of both frameworks: PushSum weights, iteration, epoch."""
+        """The checkpoint contract of both frameworks (see checkpoint.py). Local: Horovod's
+        recipe calls it on rank 0 alone. Messages in flight (Overlap SGP) are summed in where
+        that needs no other rank of the node; otherwise the state says it is not settled, and
+        its per-rank part is not restored (``synchronize_gossip()`` on every rank first makes
+        it exact)."""
         def read() -> dict:
-            drain(self.mixers)
+            live = not self.retired  # (a retired engine's communicators went with its world)
+            if live and self.local.Get_size() == 1:
+                drain(self.mixers)  # point to point only: the peers' sends are posted
             state = {"iteration": self.steps, "epoch": self.epoch,
-                     "weights": [float(b[-1]) for b in self.buffers]}
+                     "weights": [float(b[-1]) for b in self.buffers],
+                     "rank": self.world.Get_rank() if live else None,
+                     "size": self.world.Get_size() if live else None,
+                     "settled": not _in_flight(self.mixers)}
             if self.outer.step is not None:
                 state["outer"] = self.outer.state()
             if self.codec.differential:
@@ -518,23 +531,63 @@ class GossipEngine:
         return self._guard(read, "reading the SGP state")
 
     def load_state(self, state: dict) -> None:
+        """Restore ``state()`` on this rank (no communication). The per-rank part only from
+        this rank's own checkpoint of this world (checkpoint.own); the ranks compare where
+        they are at the next step."""
         weights = state["weights"]
         if len(weights) != len(self.buffers):
             raise SgpValueError(f"checkpoint has {len(weights)} PushSum buffers, this model "
                                 f"has {len(self.buffers)}")
+        mine = checkpoint.own(state, self.world.Get_rank(), self.world.Get_size())
 
         def load() -> None:
-            drain(self.mixers)
-            self.steps = int(state["iteration"])
-            self.epoch = int(state.get("epoch", 0))
+            if _in_flight(self.mixers):  # (a new optimizer has none: no other rank needed)
+                drain(self.mixers)
+            self._restart(int(state["iteration"]), int(state.get("epoch", 0)),
+                          state.get("outer", state.get("slowmo")))  # (SlowMo's older name)
+            if not mine:
+                return
             for buf, w in zip(self.buffers, weights):
                 buf[-1] = w
-            self.stage, self.mixers = None, []  # restoring, not switching: nothing to average
-            self._enter(schedule.current(self.stages, self.epoch, self.steps))
-            self.outer.load_state(state.get("outer", state.get("slowmo")))  # (older name)
             for mixer, copies in zip(self.mixers, state.get("compressed", ())):
                 mixer.load_state(copies)
+            self._restored = True
         self._guard(load, "loading the SGP state")
+
+    def adopt(self, shared: dict) -> None:
+        """Horovod's recipe, after root's parameters reached every rank: take root's shared
+        state (``checkpoint.shared``) and start the per-rank state afresh, weight 1 and no
+        copies: the exact state of a consensus. Every rank calls it, at one point of its loop."""
+        def adopt() -> None:
+            drain(self.mixers)
+            self._restart(int(shared.get("iteration", self.steps)),
+                          int(shared.get("epoch", self.epoch)),
+                          shared.get("outer", shared.get("slowmo")))
+        self._guard(adopt, "adopting root's SGP state")
+
+    def _restart(self, steps: int, epoch: int, outer: Optional[dict]) -> None:
+        """Stand at iteration ``steps`` with nothing in flight, weight 1 and fresh mixers
+        (restoring, not switching: nothing to average); check the position at the next step."""
+        self.steps, self.epoch = steps, epoch
+        for buf in self.buffers:
+            buf[-1] = 1
+        self._skip_until = self._resync_at = 0
+        self.stage, self.mixers = None, []
+        self._enter(schedule.current(self.stages, self.epoch, self.steps))
+        self.outer.load_state(outer)
+        self._restored, self._check_position = False, True
+
+    def _agree_position(self) -> None:
+        """Once after a start, a load or a broadcast: every rank at the same iteration, or
+        one error on every rank naming where each stands (instead of a timeout at the first
+        exchange); per-rank state restored on some ranks only starts afresh everywhere."""
+        if not self._check_position:
+            return
+        self._check_position = False
+        if checkpoint.agree(self.world, self.steps, self._restored,
+                            lambda request, what: self._wait(request, what, self.world)):
+            self._restart(self.steps, self.epoch, self.outer.state())
+            self._check_position = False
 
     def metrics(self) -> dict:
         """Cheap per-rank figures (no communication)."""
@@ -557,12 +610,8 @@ class GossipEngine:
         def reset() -> None:
             for mixer in self.mixers:
                 mixer.abandon()
-            for buf in self.buffers:
-                buf[-1] = 1
-            self.steps = int(self.world.allreduce(self.steps, op=MPI.MAX))
-            self._skip_until = self._resync_at = 0
-            self.stage, self.mixers = None, []
-            self._enter(schedule.current(self.stages, self.epoch, self.steps))
+            steps = int(self.world.allreduce(self.steps, op=MPI.MAX))
+            self._restart(steps, self.epoch, self.outer.state())
         self._guard(reset, "resetting the PushSum weights")
 
     # --- repair after a lost rank (fault-tolerant mode) ---------------------------------------
@@ -668,6 +717,11 @@ class GossipEngine:
         if self.progress is not None:
             self.progress.close()
         self.transport.free()
+
+
+def _in_flight(mixers: Sequence[PushSumMixer]) -> bool:
+    """Whether an Overlap SGP exchange is still under way."""
+    return any(getattr(m, "in_flight", None) for m in mixers)
 
 
 def _weakly(function: Callable[[], Sequence]) -> Callable[[], Sequence]:

@@ -41,7 +41,10 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
 
     The whole state_dict travels once, on the host: state entries that are tensors, scalars
     or None all arrive as they were, so ``model`` (Horovod uses it to find sparse parameters)
-    is not needed. SGP's own state (PushSum weight, iteration) stays local.
+    is not needed. An SGP optimizer takes root's shared SGP state (iteration, epoch, SlowMo)
+    and starts its per-rank state afresh (PushSum weight 1, compressed gossip's copies
+    reopened): with the parameters broadcast too, every rank then holds one consistent state,
+    wherever root's came from (a checkpoint loaded on root only, hvd_sgp's or plain torch's).
     """
     if isinstance(optimizer, torch.optim.LBFGS):
         raise SgpValueError("broadcast_optimizer_state does not support LBFGS (as in Horovod)")
@@ -49,13 +52,13 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
         raise SgpValueError("broadcast_optimizer_state does not support SparseAdam")
     if not optimizer.state_dict()["state"]:
         _initialize_state(optimizer)
-    state = optimizer.state_dict()
-    state.pop("hvd_sgp", None)
-    state = broadcast_object(_to_cpu(state), root_rank, process_set=process_set)
-    own = optimizer.state_dict().get("hvd_sgp")
-    if own is not None:
-        state["hvd_sgp"] = own
-    optimizer.load_state_dict(state)
+    state = broadcast_object(_to_cpu(optimizer.state_dict()), root_rank,
+                             process_set=process_set)
+    root_sgp = state.pop("hvd_sgp", None)
+    optimizer.load_state_dict(state)  # without "hvd_sgp": per-rank SGP state untouched here
+    session = getattr(optimizer, "_sgp_session", None)
+    if session is not None:
+        session().adopt(root_sgp or {})
 
 
 def _initialize_state(optimizer: torch.optim.Optimizer) -> None:

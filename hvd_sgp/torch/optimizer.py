@@ -193,7 +193,7 @@ class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
 
     def state_dict(self):
         state = super(self.__class__, self).state_dict()
-        state["hvd_sgp"] = self._session.state()
+        state["hvd_sgp"] = _as_tensors(self._session.state())
         return state
 
     def load_state_dict(self, state_dict) -> None:
@@ -244,6 +244,18 @@ class TorchOuterStep(OuterStep):
         factory = self.factory
         return f"torch:{getattr(factory, '__module__', '')}." \
                f"{getattr(factory, '__qualname__', type(factory).__name__)}"
+
+
+def _as_tensors(value):
+    """The SGP state with its numpy arrays (SlowMo's, compressed gossip's copies) as CPU
+    tensors: ``torch.load``'s default (weights_only) reads tensors, not numpy objects."""
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value.copy())
+    if isinstance(value, dict):
+        return {k: _as_tensors(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_as_tensors(v) for v in value)
+    return value
 
 
 def _check_named_parameters(named_parameters, all_params) -> dict:

@@ -42,6 +42,12 @@ def sgp_optimizer(model, needed_by: str):
     return optimizer
 
 
+def _on_every_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on every rank (one allreduce)."""
+    value = np.array([1 if flag else 0], dtype=np.int32)
+    return bool(collectives.allreduce(value, collectives.ReduceOp.Min)[0])
+
+
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """Give every rank root's model and optimizer variables before the first step (or, if the
     optimizer is built lazily, right after it), so all ranks start from one initialisation.
@@ -72,8 +78,12 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self.broadcast_done = True
 
     def on_train_begin(self, logs=None) -> None:
+        """Before the first step where every rank's optimizer is built; else after it. The
+        ranks agree (one allreduce): rank 0 resuming from hvd.load_model has a built
+        optimizer, the others' build at their first step."""
         optimizer = getattr(self.model, "optimizer", None)
-        if not self.broadcast_done and (optimizer is None or flavour.built(optimizer)):
+        built = optimizer is None or flavour.built(optimizer)
+        if not self.broadcast_done and _on_every_rank(built):
             self._broadcast()
 
     def on_epoch_begin(self, epoch, logs=None) -> None:
