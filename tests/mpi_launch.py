@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -43,3 +44,40 @@ def run_checked(*command, **kwargs) -> str:
                           timeout=600, **kwargs)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
+
+
+def run_bounded(cmd: list, timeout: float, what: str, **popen) -> subprocess.CompletedProcess:
+    """Run ``cmd`` (a launcher: sgprun, salloc) to its end; past ``timeout`` kill it and
+    every process below it (no orphans hold the machine) and fail naming ``what``."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          **popen) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for pid in [*descendants(proc.pid), proc.pid]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            out, err = proc.communicate()
+            raise AssertionError(f"{what} timed out after {timeout} s\n{out[-4000:]}\n"
+                                 f"{err[-4000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def descendants(root: int) -> list[int]:
+    """Every process below ``root`` (from /proc), children first found first."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parents[int(entry)] = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, frontier = [], [root]
+    while frontier:
+        children = [pid for pid, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found

@@ -107,11 +107,11 @@ class DueOnly(OverlapMixer):
     that what is summed where does not depend on arrival times."""
 
     def _collect(self, stale: int) -> None:
-        for pending in self.in_flight:
-            if pending.iteration <= stale:
-                self.progress.wait_receives(pending)
-                self._add_arrived(pending)
-        self._release()
+        early = [p for p in self.in_flight if p.iteration > stale]  # (in order, at the back)
+        for pending in early:
+            self.in_flight.remove(pending)
+        super()._collect(stale)
+        self.in_flight.extend(early)
 
 
 def trajectory(tau, in_place, steps=60, size=20_000):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import pytest
 
 from hvd_sgp.common import discovery, fault_record
 from hvd_sgp.runner import launch
-from mpi_launch import HERE, REPO, run_mpi
+from mpi_launch import HERE, REPO, run_bounded, run_mpi
 from test_runner import OPEN_MPI_5, HYDRA, command
 
 DETECTOR = "8"  # seconds (the default); os._exit is noticed after it, SIGKILL at once
@@ -40,38 +39,7 @@ def sgprun(n: int, script: str, *args: str, env: dict | None = None, timeout: fl
     environ.update(env or {})
     cmd = [python, "-m", "hvd_sgp.runner.launch", "-np", str(n), "--fault-tolerant",
            "--detector-timeout", DETECTOR, *flags, python, script, *args]
-    with subprocess.Popen(cmd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, cwd=cwd) as proc:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:  # end sgprun, mpirun and every rank: no orphans
-            for pid in [proc.pid, *descendants(proc.pid)]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            out, err = proc.communicate()
-            raise AssertionError(f"{script} timed out after {timeout} s\n{out[-4000:]}\n"
-                                 f"{err[-4000:]}") from None
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def descendants(root: int) -> list[int]:
-    """Every process below ``root`` (from /proc), children first found first."""
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    parents[int(entry)] = int(stat.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    found, frontier = [], [root]
-    while frontier:
-        children = [pid for pid, parent in parents.items() if parent in frontier]
-        found += children
-        frontier = children
-    return found
+    return run_bounded(cmd, timeout, script, env=environ, cwd=cwd)
 
 
 def expect_passed(proc: subprocess.CompletedProcess, area_line: str) -> str:

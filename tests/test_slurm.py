@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -19,8 +18,7 @@ from pathlib import Path
 import pytest
 
 from hvd_sgp.runner import launch
-from mpi_launch import HERE, REPO
-from test_elastic import descendants
+from mpi_launch import HERE, REPO, run_bounded
 
 CLUSTER = REPO / "scripts" / "slurm_cluster.sh"
 RANKS = 4
@@ -169,20 +167,7 @@ def salloc(cluster: dict, *command: str, timeout: float = JOB_SECONDS
     is killed (salloc's allocation ends with it)."""
     cmd = ["salloc", f"--ntasks={RANKS}", "--cpus-per-task=1", "--time=5",
            "--job-name=sgp-salloc", *command]
-    with subprocess.Popen(cmd, env=job_env(cluster), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, cwd=REPO) as proc:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for pid in [*descendants(proc.pid), proc.pid]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            out, err = proc.communicate()
-            raise AssertionError(f"salloc {command} timed out after {timeout} s\n"
-                                 f"{out[-4000:]}\n{err[-4000:]}") from None
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return run_bounded(cmd, timeout, f"salloc {command}", env=job_env(cluster), cwd=REPO)
 
 
 def sgprun(*args: str) -> list[str]:
