@@ -39,7 +39,7 @@ sys.meta_path.insert(0, _Alias())
 
 _kill = os.environ.get("HVD_SGP_TEST_KILL_RANK")
 if _kill is not None and os.environ.get("OMPI_COMM_WORLD_RANK") == _kill:
-    from hvd_sgp.common import elastic as _elastic
+    from hvd_sgp.common.horovod_api import elastic as _elastic
 
     _at, _commits, _commit = int(os.environ.get("HVD_SGP_TEST_KILL_COMMIT", "3")), [0], \\
         _elastic.State.commit

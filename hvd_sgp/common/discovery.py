@@ -7,7 +7,7 @@ slots it finds, at most ``--max-np``), and hands the ranks what it found
 (``HVD_SGP_DISCOVERED_HOSTS``). From then on the world's rank 0 runs it every
 ``HVD_SGP_DISCOVERY_INTERVAL`` seconds (1 s, Horovod's period) in a thread of its own
 (``Poller``); ``state.commit()`` broadcasts rank 0's latest result, so every rank sees a change
-at the same commit (hvd_sgp/common/elastic.py), and the runtime then grows or shrinks the world
+at the same commit (hvd_sgp/common/horovod_api/elastic.py), and the runtime then grows or shrinks the world
 to the new hosts (runtime.resize). No MPI here: the launcher imports it.
 """
 from __future__ import annotations

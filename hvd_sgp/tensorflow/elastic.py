@@ -1,6 +1,6 @@
 """``hvd.elastic`` for TensorFlow 2, as horovod.tensorflow.elastic: ``run``,
 ``TensorFlowKerasState``, ``TensorFlowState`` and ``ObjectState``. The run loop and the state
-logic are the core's (hvd_sgp/common/elastic.py); this module copies TF variables and turns
+logic are the core's (hvd_sgp/common/horovod_api/elastic.py); this module copies TF variables and turns
 TF's wrapping of a lost peer (an op error around our PeerLostError) back into
 HorovodInternalError."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import tensorflow as tf
 
-from hvd_sgp.common import elastic as _elastic
+from hvd_sgp.common.horovod_api import elastic as _elastic
 from hvd_sgp.common import recovery, runtime
 from hvd_sgp.common.errors import HorovodInternalError, SgpValueError
 from hvd_sgp.tensorflow.mpi_ops import broadcast_object, broadcast_variables

@@ -1,6 +1,6 @@
 """``hvd.elastic`` for PyTorch, as horovod.torch.elastic: ``run``, ``TorchState``,
 ``ObjectState`` and ``ElasticSampler``. The run loop and the state logic are the core's
-(hvd_sgp/common/elastic.py); this module only knows how to copy torch objects."""
+(hvd_sgp/common/horovod_api/elastic.py); this module only knows how to copy torch objects."""
 from __future__ import annotations
 
 import copy
@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from hvd_sgp.common import elastic as _elastic
+from hvd_sgp.common.horovod_api import elastic as _elastic
 from hvd_sgp.common import runtime
 from hvd_sgp.torch.functions import (broadcast_object, broadcast_optimizer_state,
                                      broadcast_parameters)

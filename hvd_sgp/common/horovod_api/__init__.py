@@ -8,4 +8,6 @@ collectives   the kinds (allreduce, allgather, broadcast, alltoall, reducescatte
 join          join() as an event loop, and the participant hook for the optimizer
 basics        Horovod's flat namespace shared by the torch and tensorflow adapters
 compression   Horovod's Compression namespace, generated from the codec registry
+elastic       Horovod's elastic API: State, run(), commits, the reset after a repair or a
+              change of hosts
 """
