@@ -72,6 +72,7 @@ class FlatGroup:
             self.buffer = self._host.numpy()
         self._grad: Optional[torch.Tensor] = None  # only where gradients are reduced
         self._grad_views: list[torch.Tensor] = []  # each parameter's run of it, shaped
+        self._view_of: dict[int, torch.Tensor] = {}  # the same, by id of the parameter
         self._replaced: list[torch.Tensor] = []  # see release_replaced()
         self._host_grad: Optional[torch.Tensor] = None
 
@@ -82,6 +83,7 @@ class FlatGroup:
             self._grad = torch.zeros(self.numel + 1, dtype=self.flat.dtype, device=self.device)
             self._grad_views = [self._grad[a:b].view_as(p)
                                 for p, (a, b) in zip(self.params, self.slices)]
+            self._view_of = {id(p): view for p, view in zip(self.params, self._grad_views)}
         return self._grad
 
     def gather_grads(self, scale: float = 1.0) -> torch.Tensor:
@@ -107,8 +109,8 @@ class FlatGroup:
 
     def scatter_grads(self) -> None:
         """Hand the reduced gradients back as views of the flat gradients (torch DDP's
-        ``gradient_as_bucket_view``): no copy back, and where zero_grad keeps the gradients
-        (set_to_none=False) backward accumulates into the flat buffer, so the next gather
+        ``gradient_as_bucket_view``): no copy back, and zero_grad keeps them (zero_views, or
+        set_to_none=False), so backward accumulates into the flat buffer and the next gather
         has nothing to copy either. A sparse gradient stays sparse (rows any rank touched),
         for optimizers that need one (SparseAdam)."""
         for p, reduced in zip(self.params, self._grad_views):
@@ -132,16 +134,14 @@ class FlatGroup:
         if not params:
             return
         self._grad[:self.numel].zero_()
-        views = dict(zip(map(id, self.params), self._grad_views))
         for p in params:
-            p.grad = views[id(p)]
+            p.grad = self._view_of[id(p)]
 
     def drop_views(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Set to None the gradients of ``params`` that are still their zeroed views: no
         backward reached them since zero_grad, where torch would have left None."""
-        views = dict(zip(map(id, self.params), self._grad_views))
         for p in params:
-            if p.grad is not None and p.grad.data_ptr() == views[id(p)].data_ptr():
+            if p.grad is not None and p.grad.data_ptr() == self._view_of[id(p)].data_ptr():
                 p.grad = None
 
     def release_replaced(self) -> None:
