@@ -96,9 +96,10 @@ def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
-               y: torch.Tensor, extra_seconds: float = 0.0) -> None:
-    """Forward, backward, the optional fixed compute time, and the (distributed) step."""
-    optimizer.zero_grad()
+               y: torch.Tensor, extra_seconds: float = 0.0, set_to_none: bool = True) -> None:
+    """Forward, backward, the optional fixed compute time, and the (distributed) step;
+    ``set_to_none`` is zero_grad's (torch's default, what a typical script passes)."""
+    optimizer.zero_grad(set_to_none=set_to_none)
     logits, penalty = model(x)
     (F.cross_entropy(logits, y) + penalty).backward()
     if extra_seconds > 0:

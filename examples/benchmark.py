@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -46,6 +46,7 @@ class Mode:
     ring: bool = False  # Open MPI's ring allreduce (the virtual cluster only)
     env: dict = field(default_factory=dict)  # launch environment on top (None: unset)
     reference: str = ""  # the raw mode this one is held to (--local)
+    set_to_none: bool = True  # the script's zero_grad(set_to_none=...): torch's default
 
 
 MODES = {
@@ -73,8 +74,11 @@ LOCAL_MODES = {
     "plain": MODES["plain"],
     "raw-allreduce": Mode("raw MPI Allreduce + SGD", "raw", {"exchange": "allreduce"}),
     "horovod": Mode("AllReduce (Horovod)", "horovod", reference="raw-allreduce"),
-    "node": Mode("hvd_sgp one node (exact, default layout)", "hvd_sgp",
+    "node": Mode("hvd_sgp one node (exact, default layout), zero_grad()", "hvd_sgp",
                  env={"HVD_SGP_LOCAL_SIZE": None}, reference="raw-allreduce"),
+    "node-zero-kept": Mode("hvd_sgp one node (exact), zero_grad(set_to_none=False)", "hvd_sgp",
+                           env={"HVD_SGP_LOCAL_SIZE": None}, reference="raw-allreduce",
+                           set_to_none=False),
     "raw-sendrecv": Mode("raw one-peer Sendrecv + average", "raw", {"exchange": "sendrecv"}),
     "sgp1-gossip": Mode("hvd_sgp SGP 1-peer (LOCAL_SIZE=1)", "hvd_sgp",
                         {"mode": "sgp", "peers": 1}, env={"HVD_SGP_LOCAL_SIZE": "1"},
@@ -101,8 +105,8 @@ def mode_of(name: str, baseline: str = "") -> Mode:
     if not name.endswith(BASELINE):
         return MODES[name]
     base = MODES[name[:-len(BASELINE)]]
-    return Mode(base.label + " [baseline]", base.kind, base.sgp, base.ring,
-                {**base.env, "PYTHONPATH": baseline}, base.reference)
+    return replace(base, label=base.label + " [baseline]",
+                   env={**base.env, "PYTHONPATH": baseline})
 
 
 # --- the worker: one rank of one (mode, n) ----------------------------------------------
@@ -294,7 +298,7 @@ def throughput(comm: Comm, mode: Mode, args) -> dict:
     x, y = bm.synthetic_batch(args.batch, seed=comm.rank)
     extra = args.compute_ms / 1000
     for _ in range(args.warmup):
-        bm.train_step(model, optimizer, x, y, extra)
+        bm.train_step(model, optimizer, x, y, extra, mode.set_to_none)
     comm.minimum(0.0)
     tx0 = bm.tx_bytes(args.iface) if args.iface else None
     sent0 = optimizer.metrics()["bytes_sent"] if hasattr(optimizer, "metrics") else None
@@ -303,7 +307,7 @@ def throughput(comm: Comm, mode: Mode, args) -> dict:
     cpu = time.process_time()
     for _ in range(args.iters):
         began = time.perf_counter()
-        bm.train_step(model, optimizer, x, y, extra)
+        bm.train_step(model, optimizer, x, y, extra, mode.set_to_none)
         times.append(time.perf_counter() - began)
     cpu = time.process_time() - cpu
     result = {"times": times, "median": statistics.median(times),

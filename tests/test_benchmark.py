@@ -94,9 +94,9 @@ def test_benchmark_local_tiny(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     rows = {r["mode"]: r for r in report["throughput"]}
-    assert set(rows) == {"plain", "raw-allreduce", "node", "raw-sendrecv", "sgp1-gossip",
-                         "osgp1-gossip"}
-    assert rows["node"]["reference"] == "raw-allreduce"
+    assert set(rows) == {"plain", "raw-allreduce", "node", "node-zero-kept", "raw-sendrecv",
+                         "sgp1-gossip", "osgp1-gossip"}
+    assert rows["node"]["reference"] == rows["node-zero-kept"]["reference"] == "raw-allreduce"
     assert rows["sgp1-gossip"]["reference"] == "raw-sendrecv"
     assert all(r["vs_reference"]["median"] > 0 for r in rows.values() if "reference" in r)
     assert all(r["sec_per_iter"] > 0 and r["peak_rss"] > 0 for r in rows.values())

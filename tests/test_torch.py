@@ -50,3 +50,11 @@ def test_synthetic_benchmark_runs_in_both_modes():
                       "--depth", "1", "--width", "8", *flag).stdout
         assert "Total img/sec on 2 ranks" in out
         assert ("AllReduce" if flag else "SGP") in out
+
+
+@pytest.mark.parametrize("local_size", ["2", "1"])
+def test_zero_grad_keeps_views_same_trajectory(local_size):
+    """2 ranks as one node (the in-node exact average) and as two nodes."""
+    out = run_mpi(2, "torch_checks.py", "check_zero_grad_keeps_views_same_trajectory",
+                  env={"HVD_SGP_LOCAL_SIZE": local_size}).stdout
+    assert "ok zero_grad keeps the gradient views" in out

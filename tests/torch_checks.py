@@ -269,6 +269,76 @@ def check_gradients_are_views_of_the_reduced_buffer():
     checks.ok("reduced gradients are views of the flat buffer, exact with set_to_none on/off")
 
 
+class TwoBranches(torch.nn.Module):
+    """The ``spare`` branch is used on even steps only: a parameter that some steps leave
+    without a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7)
+        self.main, self.spare = torch.nn.Linear(4, 6), torch.nn.Linear(6, 1)
+        self.head = torch.nn.Linear(6, 1)
+
+    def forward(self, x, step):
+        h = torch.tanh(self.main(x))
+        return self.head(h) + (self.spare(h) if step % 2 == 0 else 0)
+
+
+@checks
+def check_zero_grad_keeps_views_same_trajectory():
+    """zero_grad() (torch's default set_to_none=True) keeps the reduced gradients as zeroed
+    views of the flat buffer, and the training is the same, bit for bit, as with the fresh
+    gradient tensors that dropping every gradient (torch's own zero_grad) gives: with Adam and
+    weight decay, over steps where a branch gets no gradient (its grad is None at the step, so
+    Adam leaves it alone, as after torch's zero_grad), with two backward passes per step."""
+    layouts = ("allreduce", "sgp")
+    for mode in layouts:
+        runs = []
+        for keep in (True, False):
+            model = TwoBranches()
+            opt = hvd.DistributedOptimizer(
+                torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=0.1),
+                named_parameters=model.named_parameters(), mode=mode,
+                backward_passes_per_step=2)
+            gen = torch.Generator().manual_seed(80 + me)
+            states, grads = [], []
+            for step in range(6):
+                if keep:
+                    opt.zero_grad()
+                else:
+                    for p in model.parameters():
+                        p.grad = None
+                for _ in range(2):
+                    torch.nn.functional.mse_loss(model(torch.randn(8, 4, generator=gen), step),
+                                                 torch.randn(8, 1, generator=gen)).backward()
+                before = model.spare.weight.detach().clone()
+                opt.step()
+                if step % 2 == 1:  # no gradient reached the spare branch: Adam skipped it
+                    assert model.spare.weight.grad is None, (mode, keep, step)
+                    assert mode != "allreduce" or torch.equal(model.spare.weight, before), \
+                        (keep, step)  # (gossip would mix it)
+                states.append(flat(model).clone())
+                grads.append([None if p.grad is None else p.grad.clone()
+                              for p in model.parameters()])
+            if keep and opt._groups[0]._grad is not None:  # the reduced steps kept the views
+                opt.zero_grad()
+                buffer = opt._groups[0].grad
+                start = model.main.weight.grad.data_ptr() - buffer.data_ptr()
+                assert 0 <= start < buffer.numel() * buffer.element_size(), mode
+                assert not model.main.weight.grad.any()  # zeroed in place
+                assert model.spare.weight.grad is None  # dropped at the last step: stays None
+            runs.append((states, grads))
+            opt.synchronize_gossip()
+        (kept_states, kept_grads), (fresh_states, fresh_grads) = runs
+        for step, (a, b) in enumerate(zip(kept_states, fresh_states)):
+            assert torch.equal(a, b), (mode, step, (a - b).abs().max())
+        for a, b in zip(kept_grads, fresh_grads):
+            assert [g is None for g in a] == [g is None for g in b], mode
+            assert all(x is None or torch.equal(x, y) for x, y in zip(a, b)), mode
+    checks.ok("zero_grad keeps the gradient views; parameters step by step identical to fresh "
+              f"gradients ({', '.join(layouts)}; Adam with weight decay, unused branch skipped)")
+
+
 @checks
 def check_state_dict_and_consensus():
     model = mlp(6 + me)

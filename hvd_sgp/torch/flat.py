@@ -71,6 +71,8 @@ class FlatGroup:
             self._host = torch.empty(self.numel + 1, dtype=first.dtype, pin_memory=cuda)
             self.buffer = self._host.numpy()
         self._grad: Optional[torch.Tensor] = None  # only where gradients are reduced
+        self._grad_views: list[torch.Tensor] = []  # each parameter's run of it, shaped
+        self._view_of: dict[int, torch.Tensor] = {}  # the same, by id of the parameter
         self._replaced: list[torch.Tensor] = []  # see release_replaced()
         self._host_grad: Optional[torch.Tensor] = None
 
@@ -79,6 +81,9 @@ class FlatGroup:
         """The flat gradients, and one spare element for the engine (see engine.py)."""
         if self._grad is None:
             self._grad = torch.zeros(self.numel + 1, dtype=self.flat.dtype, device=self.device)
+            self._grad_views = [self._grad[a:b].view_as(p)
+                                for p, (a, b) in zip(self.params, self.slices)]
+            self._view_of = {id(p): view for p, view in zip(self.params, self._grad_views)}
         return self._grad
 
     def gather_grads(self, scale: float = 1.0) -> torch.Tensor:
@@ -104,19 +109,40 @@ class FlatGroup:
 
     def scatter_grads(self) -> None:
         """Hand the reduced gradients back as views of the flat gradients (torch DDP's
-        ``gradient_as_bucket_view``): no copy back, and where zero_grad keeps the gradients
-        (set_to_none=False) backward accumulates into the flat buffer, so the next gather
+        ``gradient_as_bucket_view``): no copy back, and zero_grad keeps them (zero_views, or
+        set_to_none=False), so backward accumulates into the flat buffer and the next gather
         has nothing to copy either. A sparse gradient stays sparse (rows any rank touched),
         for optimizers that need one (SparseAdam)."""
-        for p, (a, b) in zip(self.params, self.slices):
+        for p, reduced in zip(self.params, self._grad_views):
             if p.grad is None:
                 continue
-            reduced = self.grad[a:b].view_as(p)
             if p.grad.is_sparse:
                 p.grad = reduced.to_sparse(p.grad.sparse_dim())
             elif p.grad.data_ptr() != reduced.data_ptr():
                 self._replaced.append(p.grad)
                 p.grad = reduced
+
+    def holding_views(self) -> list[torch.nn.Parameter]:
+        """The parameters whose gradient is their view of the flat gradients."""
+        return [p for p, view in zip(self.params, self._grad_views)
+                if p.grad is not None and not p.grad.is_sparse
+                and p.grad.data_ptr() == view.data_ptr()]
+
+    def zero_views(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Hand ``params`` their views of the flat gradients again, all zeroed by one memset
+        (zero_grad that keeps the views; the other runs are overwritten by the next gather)."""
+        if not params:
+            return
+        self._grad[:self.numel].zero_()
+        for p in params:
+            p.grad = self._view_of[id(p)]
+
+    def drop_views(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Set to None the gradients of ``params`` that are still their zeroed views: no
+        backward reached them since zero_grad, where torch would have left None."""
+        for p in params:
+            if p.grad is not None and p.grad.data_ptr() == self._view_of[id(p)].data_ptr():
+                p.grad = None
 
     def release_replaced(self) -> None:
         """Free the gradients autograd allocated, which the views replaced. They are held

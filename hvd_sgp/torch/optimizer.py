@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -57,6 +57,9 @@ class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
         self._session.start_at_wrapping()  # ranks compare their models and options now
         self._session.own(self)
         self._passes = {}
+        self._counted = {id(p) for p in all_params if p.requires_grad}  # hooked below
+        self._unreached: list[list[torch.nn.Parameter]] = [[] for _ in self._groups]
+        self._reached: Optional[set] = None  # ids backward reached since a view-keeping zero_grad
         count = weakref.WeakMethod(self._count_pass)  # the model may outlive the optimizer
         self._hooks = [p.register_post_accumulate_grad_hook(
                            lambda p: count() is not None and count()(p))
@@ -67,6 +70,8 @@ class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
 
     # --- Horovod's gradient bookkeeping -------------------------------------------------
     def _count_pass(self, p: torch.Tensor) -> None:
+        if self._reached is not None:
+            self._reached.add(id(p))
         count = self._passes.get(p, 0) + 1
         if count > self.backward_passes_per_step:
             raise AssertionError(
@@ -84,6 +89,7 @@ class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
         The backward passes are counted afresh after it, also when it fails: a lost peer
         (under hvd.elastic.run) abandons the step, and the next one starts from its own."""
         try:
+            self._drop_unreached()
             for group in self._groups:
                 group.check_views()
             plan = self._session.begin_step(self._floating_state)
@@ -122,9 +128,31 @@ class _DistributedOptimizer(adapter.GossipMethods, torch.optim.Optimizer):
             self._should_skip = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Torch's zero_grad, except that with ``set_to_none`` (torch's default) gradients that
+        are views of the flat gradient buffer stay, zeroed (torch DDP's
+        ``gradient_as_bucket_view``): backward accumulates into the buffer, with no fresh
+        tensors to allocate and no copy into the buffer. A parameter that no backward reaches
+        before the step gets None back there (synchronize), so optimizers skip it as they
+        would after torch's zero_grad."""
+        kept = [[p for p in group.holding_views() if id(p) in self._counted] if set_to_none
+                 else []
+                for group in self._groups]
         for group in self._groups:  # autograd's gradients go when they went without the views
             group.release_replaced()
         super(self.__class__, self).zero_grad(set_to_none)
+        for group, params in zip(self._groups, kept):
+            group.zero_views(params)
+        self._unreached = kept
+        self._reached = set() if any(kept) else None
+
+    def _drop_unreached(self) -> None:
+        """None for the kept views that no backward reached since zero_grad."""
+        if self._reached is None:
+            return
+        for group, params in zip(self._groups, self._unreached):
+            group.drop_views([p for p in params if id(p) not in self._reached])
+        self._unreached = [[] for _ in self._groups]
+        self._reached = None
 
     # torch.amp.GradScaler then calls step() even when it found inf/NaN gradients (handing us
     # ``found_inf``), so a node that skips its local update still gossips: its peers never wait
