@@ -245,16 +245,19 @@ class GossipEngine:
             self._average_parameters()  # the new stage assumes weight 1: fold it in exactly
 
     # --- the step -----------------------------------------------------------------------
-    def begin_step(self, optimizer_state: Callable[[], Sequence] = tuple) -> StepPlan:
+    def begin_step(self, optimizer_state: Callable[[], Sequence] = tuple,
+                   before_local_step: bool = True) -> StepPlan:
         """Switch stage where the schedule says so, and say what this step does.
 
         Entering AllReduce SGD averages the parameters and the arrays ``optimizer_state()``
         returns (momentum, Adam moments: arrays of any registered kit), in place on every rank,
-        so that all ranks take the same steps from there on.
+        so that all ranks take the same steps from there on. ``before_local_step`` off: end_step
+        begins the step itself (see there).
         """
         self._optimizer_state = _weakly(optimizer_state)
         self.release()  # before the adapter reaches the buffers (a staged copy writes them)
-        plan = self._guard(lambda: self._begin_step(self._optimizer_state), "the start of a step")
+        plan = self._guard(lambda: self._begin_step(self._optimizer_state, before_local_step),
+                           "the start of a step")
         self._in_call = True
         return plan
 
@@ -333,9 +336,7 @@ class GossipEngine:
         Overlap SGP pushes are then copies: an in-place push needs the arrivals summed in
         before the local step.)"""
         if not self._in_call:
-            self.release()
-            self._guard(lambda: self._begin_step(self._optimizer_state, False),
-                        "the start of a step")
+            self.begin_step(self._optimizer_state, before_local_step=False)
         self.calls += 1
         self._in_call = False
         if self.calls < self._skip_until:

@@ -52,6 +52,11 @@ def _with_others(message: str) -> str:
     return f"{message}; {said}" if said else message
 
 
+def place(what: str, iteration: Optional[int]) -> str:
+    """Where a rank waits: 'at iteration 5 (the exchange)', or 'in join()' outside a step."""
+    return f"at iteration {iteration} ({what})" if iteration is not None else f"in {what}"
+
+
 def stall_warning(message: str) -> None:
     print(on_rank(message), file=sys.stderr, flush=True)
 
@@ -89,9 +94,8 @@ class Wait:
             if self.text is not None:
                 message = self.text("timeout", waited)
             else:
-                message = _with_others(
-                    f"waited {self.timeout:.0f} s {'at' if self.iteration is not None else 'in'}"
-                    f" {self._place()} for {self.awaited()}")
+                message = _with_others(f"waited {self.timeout:.0f} s {self._place()} for "
+                                       f"{self.awaited()}")
                 message += " (HVD_SGP_TIMEOUT)" if self.fail else f" {self.hint}".rstrip()
             if self.fail is not None:
                 self.fail(message)
@@ -100,14 +104,12 @@ class Wait:
         if not self.warned and self.stall is not None and waited > self.stall:
             self.warned = True
             stall_warning(self.text("stall", waited) if self.text is not None else _with_others(
-                f"stalled {waited:.0f} s {'at' if self.iteration is not None else 'in'} "
-                f"{self._place()} waiting for {self.awaited()}") +
+                f"stalled {waited:.0f} s {self._place()} waiting for {self.awaited()}") +
                 f"; the job fails after {self.timeout:.0f} s")
         return False
 
     def _place(self) -> str:
-        return (f"iteration {self.iteration} ({self.what})" if self.iteration is not None
-                else self.what)
+        return place(self.what, self.iteration)
 
     def until(self, done: Callable[[], bool]) -> None:
         """Poll ``done`` (a request's Test) with a growing pause until it holds, checking the

@@ -37,7 +37,8 @@ from hvd_sgp.common.mpi import MPI
 START_SECONDS = 60.0  # the least a call outside any step waits: ranks start at different speeds
 TICK_SECONDS = 0.1  # how often the thread checks deadlines and answers roll calls
 ROLL_CALL_SECONDS = 2.0  # how long a roll call waits for answers
-_ASK, _ANSWER, _VERDICT = 1, 2, 3  # tags on the roll-call communicator
+_ASK, _ANSWER, _VERDICT = 1, 2, 3
+_OUTSIDE = "a collective outside any step"  # what a call not under ``doing`` is  # tags on the roll-call communicator
 
 
 class _Watch:
@@ -171,19 +172,18 @@ def _check(key: int, call: list) -> None:
     timeout = _watch.timeout if activity is not None else max(_watch.timeout, START_SECONDS)
     if waited < waiting.STALL_FRACTION * timeout or (warned and waited < timeout):
         return
-    what, iteration, _ = activity or ("a collective outside any step", None, 0.0)
-    place = (f"iteration {iteration} ({what}, MPI_{name})" if iteration is not None
-             else f"{what} (MPI_{name})")
+    what, iteration, _ = activity or (_OUTSIDE, None, 0.0)
+    place = waiting.place(f"{what}, MPI_{name}", iteration)
     if waited < timeout:
         call[3] = True
-        waiting.stall_warning(f"stalled {waited:.0f} s at {place} over {_members(comm)}; "
+        waiting.stall_warning(f"stalled {waited:.0f} s {place} over {_members(comm)}; "
                               f"{roll_call()}; the job fails after {timeout:.0f} s")
         return
     if recovery.enabled():
         _watch.calls.pop(key, None)
-        recovery.lost(f"waited {timeout:.0f} s at {place} (HVD_SGP_TIMEOUT)")
+        recovery.lost(f"waited {timeout:.0f} s {place} (HVD_SGP_TIMEOUT)")
         return
-    _end_job(f"waited {timeout:.0f} s at {place} over {_members(comm)}: {roll_call()} "
+    _end_job(f"waited {timeout:.0f} s {place} over {_members(comm)}: {roll_call()} "
              "(HVD_SGP_TIMEOUT); the job ends")
 
 
@@ -208,7 +208,7 @@ def _status() -> str:
     calls = list(_watch.calls.items())
     if calls:
         key, (began, _, name, _) = calls[0]
-        what, iteration, _ = _watch.activity.get(key, ("a collective", None, 0.0))
+        what, iteration, _ = _watch.activity.get(key, (_OUTSIDE, None, 0.0))
         what = f"{what} (MPI_{name})"
     else:
         activities = list(_watch.activity.values())

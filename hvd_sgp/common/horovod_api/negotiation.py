@@ -455,7 +455,7 @@ class Controller:
 
     def _data_wait(self, op: Operation) -> Wait:
         """The deadline of an agreed op's data phase: every rank agreed, so it ends soon."""
-        if op.data_wait is None or op.data_wait.began != op.started:
+        if op.data_wait is None:
             op.data_wait = Wait(op.request.name, lambda: "", self.settings.timeout, began=op.started,
                            stall=None, fail=self._break, text=lambda kind, waited: (
                                f"{op.request.kind} {op.request.name!r}{self._where()} moved no "
