@@ -47,6 +47,9 @@ def conservation_and_no_deadlock(tau, in_place=False):
     assert mixer.in_place == (in_place and tau == 1)
     mixer.audit = Audit()
     start = mass(buf, mixer)
+    # Rounding error scales with the sum of magnitudes, not with the (cancelling) sum itself;
+    # one push of unbooked mass is off by ~1e-6 of it, six orders above the 1e-12 asked.
+    scale = np.array([comm.allreduce(float(np.abs(buf[:-1]).sum() * buf[-1])), start[1]])
     booked = np.zeros(2)  # mass this rank's local steps added
     worst = 0.0
     for k in range(steps):
@@ -61,7 +64,7 @@ def conservation_and_no_deadlock(tau, in_place=False):
         assert len(mixer.in_flight) <= tau + mixer.in_place, len(mixer.in_flight)
         if k % 250 == 0 or k == steps - 1:
             now = mass(buf, mixer) - comm.allreduce(booked)
-            worst = max(worst, np.abs(now - start).max() / np.abs(start).max())
+            worst = max(worst, (np.abs(now - start) / scale).max())
     assert worst < 1e-12, worst
     slots = len(mixer._slots) + len(mixer._free)
     assert slots <= tau + 1, slots  # the ring never grew past tau + 1 message copies
@@ -72,7 +75,7 @@ def conservation_and_no_deadlock(tau, in_place=False):
     mixer.drain()  # nothing left after everyone drained: the ledger closes
     settled = comm.allreduce(np.array([float((buf[:-1] * buf[-1]).sum()), float(buf[-1])]))
     settled -= comm.allreduce(booked)
-    assert np.abs(settled - start).max() <= 1e-12 * np.abs(start).max(), (settled, start)
+    assert (np.abs(settled - start) / scale).max() <= 1e-12, (settled, start)
     truth = (start[0] + comm.allreduce(booked)[0]) / n / size
     spread = comm.allreduce(float(np.abs(buf[:-1].mean() - truth)), op=MPI.MAX)
     place = ", pushes in place" if in_place else ""
