@@ -15,11 +15,12 @@ import os
 import threading
 import time
 from contextlib import contextmanager
-from typing import Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 import numpy as np
 
-from hvd_sgp.common.mpi import MPI
+if TYPE_CHECKING:  # telemetry is read by tools and the simulator, which do not start MPI
+    from mpi4py import MPI
 
 
 def consensus(params: np.ndarray, comm: MPI.Comm) -> dict:
@@ -29,15 +30,16 @@ def consensus(params: np.ndarray, comm: MPI.Comm) -> dict:
     packed = np.empty(values.size + 1)
     packed[:-1] = values
     packed[-1] = values @ values
-    comm.Allreduce(MPI.IN_PLACE, packed, op=MPI.SUM)
+    total = np.empty_like(packed)
+    comm.Allreduce(packed, total)  # mpi4py's default op is the sum
     n = comm.Get_size()
-    mean = packed[:-1] / n
+    mean = total[:-1] / n
     deviation = float(np.linalg.norm(values - mean))
     norm = float(np.linalg.norm(mean))
     return {
         "deviation": deviation,
         "relative_deviation": deviation / norm if norm > 0 else deviation,
-        "distance": float(np.sqrt(max(packed[-1] / n - mean @ mean, 0.0))),
+        "distance": float(np.sqrt(max(total[-1] / n - mean @ mean, 0.0))),
         "mean_norm": norm,
     }
 
