@@ -13,6 +13,7 @@ from hvd_sgp.common import allocate, init, make_topology, runtime
 from hvd_sgp.common.overlap import Overlap
 from hvd_sgp.common.pushsum import Audit, PushSumMixer
 from hvd_sgp.common.transport import PeerTransport, Progress
+from due_only import DueOnly
 from mpi_checks import Checks
 
 init()
@@ -103,18 +104,6 @@ def debias_matters(tau):
     assert errors[True] < errors[False], errors
     checks.ok(f"overlap de-bias: consensus error {errors[True]:.1e} with the weight, "
        f"{errors[False]:.1e} without")
-
-
-class DueOnly(Overlap):
-    """Sums in only the messages due (iterations <= stale), never one that arrived early, so
-    that what is summed where does not depend on arrival times."""
-
-    def _collect(self, stale: int) -> None:
-        early = [p for p in self.in_flight if p.iteration > stale]  # (in order, at the back)
-        for pending in early:
-            self.in_flight.remove(pending)
-        super()._collect(stale)
-        self.in_flight.extend(early)
 
 
 def trajectory(tau, in_place, steps=60, size=20_000):
