@@ -10,9 +10,10 @@ import numpy as np
 from hvd_sgp.common.mpi import MPI
 
 from hvd_sgp.common import allocate, init, make_topology, runtime
-from hvd_sgp.common.overlap import OverlapMixer
-from hvd_sgp.common.pushsum import Audit
+from hvd_sgp.common.overlap import Overlap
+from hvd_sgp.common.pushsum import Audit, PushSumMixer
 from hvd_sgp.common.transport import PeerTransport, Progress
+from due_only import DueOnly
 from mpi_checks import Checks
 
 init()
@@ -42,9 +43,9 @@ def conservation_and_no_deadlock(tau, in_place=False):
     size = 100_000 if in_place else 50
     buf = allocate(size, np.float64)
     buf[:-1] = rng.normal(size=size)
-    mixer = OverlapMixer(buf, make_topology("exponential", n), transport, progress,
-                         max_delay=tau, in_place=in_place)
-    assert mixer.in_place == (in_place and tau == 1)
+    timing = Overlap(progress, max_delay=tau, in_place=in_place)
+    mixer = PushSumMixer(buf, make_topology("exponential", n), transport, timing=timing)
+    assert timing.in_place == (in_place and tau == 1)
     mixer.audit = Audit()
     start = mass(buf, mixer)
     # Rounding error scales with the sum of magnitudes, not with the (cancelling) sum itself;
@@ -61,15 +62,15 @@ def conservation_and_no_deadlock(tau, in_place=False):
             buf[:-1] += change
             booked[0] += float(buf[-1]) * change.sum()
         mixer.mix()  # memory stays bounded (in place, the last receives wait for absorb())
-        assert len(mixer.in_flight) <= tau + mixer.in_place, len(mixer.in_flight)
+        assert len(mixer.in_flight) <= tau + timing.in_place, len(mixer.in_flight)
         if k % 250 == 0 or k == steps - 1:
             now = mass(buf, mixer) - comm.allreduce(booked)
             worst = max(worst, (np.abs(now - start) / scale).max())
     assert worst < 1e-12, worst
-    slots = len(mixer._slots) + len(mixer._free)
+    slots = len(timing._slots) + len(timing._free)
     assert slots <= tau + 1, slots  # the ring never grew past tau + 1 message copies
-    if mixer.in_place:  # the slots hold receive rows only: no copy of the model is sent
-        assert all(not slot.sends for slot in list(mixer._slots.values()) + mixer._free)
+    if timing.in_place:  # the slots hold receive rows only: no copy of the model is sent
+        assert all(not slot.sends for slot in list(timing._slots.values()) + timing._free)
     mixer.drain()
     comm.Barrier()
     mixer.drain()  # nothing left after everyone drained: the ledger closes
@@ -91,8 +92,8 @@ def debias_matters(tau):
         buf = allocate(20, np.float64)
         buf[:-1] = float(me)
         truth = (n - 1) / 2
-        mixer = OverlapMixer(buf, make_topology("exponential", n), transport, progress,
-                             push_sum=push_sum, max_delay=tau)
+        mixer = PushSumMixer(buf, make_topology("exponential", n), transport,
+                             push_sum=push_sum, timing=Overlap(progress, max_delay=tau))
         r = np.random.default_rng(7 + me)
         for _ in range(200):
             time.sleep(r.uniform(0, 3e-4) * (1 + me % 2))
@@ -105,18 +106,6 @@ def debias_matters(tau):
        f"{errors[False]:.1e} without")
 
 
-class DueOnly(OverlapMixer):
-    """Sums in only the messages due (iterations <= stale), never one that arrived early, so
-    that what is summed where does not depend on arrival times."""
-
-    def _collect(self, stale: int) -> None:
-        early = [p for p in self.in_flight if p.iteration > stale]  # (in order, at the back)
-        for pending in early:
-            self.in_flight.remove(pending)
-        super()._collect(stale)
-        self.in_flight.extend(early)
-
-
 def trajectory(tau, in_place, steps=60, size=20_000):
     """Local steps (a gradient pulling each rank to its own target, plus seeded noise) between
     Overlap SGP iterations; the parameters and weight each local step starts from, and the end
@@ -125,8 +114,8 @@ def trajectory(tau, in_place, steps=60, size=20_000):
     target = r.normal(size=size)
     buf = allocate(size, np.float64)
     buf[:-1] = r.normal(size=size)
-    mixer = DueOnly(buf, make_topology("exponential", n), transport, progress, max_delay=tau,
-                    in_place=in_place)
+    timing = DueOnly(progress, max_delay=tau, in_place=in_place)
+    mixer = PushSumMixer(buf, make_topology("exponential", n), transport, timing=timing)
     seen = []
     for _ in range(steps):
         time.sleep(r.uniform(0, 2e-4))
@@ -134,11 +123,11 @@ def trajectory(tau, in_place, steps=60, size=20_000):
         seen.append(buf.copy())
         buf[:-1] -= 0.1 * (buf[:-1] - target) + 0.01 * r.normal(size=size)
         mixer.mix()
-    copies = sum(len(slot.sends) for slot in list(mixer._slots.values()) + mixer._free)
+    copies = sum(len(slot.sends) for slot in list(timing._slots.values()) + timing._free)
     mixer.drain()
     comm.Barrier()
     seen.append(buf.copy())
-    return np.array(seen), mixer.in_place, copies
+    return np.array(seen), timing.in_place, copies
 
 
 def in_place_push_matches_copy(tau):

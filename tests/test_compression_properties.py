@@ -252,8 +252,8 @@ def test_random_k_drawing_every_entry_is_todays_pushsum_on_any_graph(graph, dela
     included, step for step, with the same arrivals."""
     today = SimNetwork(graph, 5, delay=delay, seed=seed)
     sparse = SimNetwork(graph, 5, delay=delay, seed=seed, codec="randomk:1")
-    assert type(sparse.mixers[0]).__name__ == ("SparseOverlapMixer" if delay else
-                                               "SparseMixer")
+    mixer = sparse.mixers[0]
+    assert type(mixer).__name__ == "SparseMixer" and mixer.overlapped == bool(delay)
     for net in (today, sparse):
         spread_out(net, seed)
     for _ in range(15):

@@ -32,9 +32,10 @@ Each is a copy of the shard. For the one-peer exponential graph on n nodes that 
 2. The first message on an edge carries the shard exactly, so every copy starts equal to the
 parameters. Messages: [gamma p, weight share, raw flag] as float64, then the payload.
 
-Overlap SGP: messages on one edge must be applied in the order they were sent (each
-difference is against the copy the previous one produced), so a message that arrives before
-an older one from the same peer waits for it; staleness is bounded by tau as before.
+Overlap SGP (the timing part overlap.Overlap): messages on one edge must be applied in the
+order they were sent (each difference is against the copy the previous one produced), so the
+mixer is ``ordered``: a message that arrives before an older one from the same peer waits for
+it; staleness is bounded by tau as before.
 """
 from __future__ import annotations
 
@@ -47,10 +48,10 @@ import numpy as np
 from hvd_sgp.common.codecs import BLOCK, Codec, blocks
 from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.common.mpi import MPI
-from hvd_sgp.common.overlap import OverlapMixer
 from hvd_sgp.common.pushsum import PushSumMixer
+from hvd_sgp.common.timing import Timing
 from hvd_sgp.common.topology import Topology
-from hvd_sgp.common.transport import Pending, ProgressEngine, Transport
+from hvd_sgp.common.transport import Transport
 
 HEADER = 24  # gamma * share, the weight share and the raw flag, as three float64
 
@@ -69,7 +70,8 @@ def host_view(buffer) -> np.ndarray:
 
 
 class ChocoMixer(PushSumMixer):
-    """One node's compressed PushSum on one buffer (see the module docstring).
+    """One node's compressed PushSum on one buffer (see the module docstring): the codec part
+of a mixer, under either timing part.
 
     ``step`` is gamma (the codec's ``consensus_step`` when None); ``error_feedback`` chooses
     whether each push encodes the distance to the public copy (what was not sent yet is sent
@@ -84,12 +86,10 @@ class ChocoMixer(PushSumMixer):
     def __init__(self, buffer, topology: Topology, transport: Transport,
                  local: Optional[MPI.Comm] = None, push_sum: bool = True,
                  codec: Optional[Codec] = None, track_weight: Optional[bool] = None,
-                 step: Optional[float] = None, error_feedback: bool = True):
+                 step: Optional[float] = None, error_feedback: bool = True, *,
+                 timing: Optional[Timing] = None):
         super().__init__(host_view(buffer), topology, transport, local, push_sum, codec,
-                         track_weight)
-        self._compress(step, error_feedback)
-
-    def _compress(self, step: Optional[float], error_feedback: bool) -> None:
+                         track_weight, timing=timing)
         self.step = self.codec.consensus_step if step is None else float(step)
         if not 0 < self.step <= 1:
             raise SgpValueError(f"the consensus step must be in (0, 1], got {self.step!r}")
@@ -103,6 +103,12 @@ class ChocoMixer(PushSumMixer):
         self.ledger: Optional[np.ndarray] = None  # per entry: mass sent - received (tests)
         self._terms: list[tuple[float, np.ndarray]] = []  # (a_t, c_t) not yet applied
         self._base = 1.0  # the weight w that the pending terms start from
+
+    ordered = True  # each difference is against the copy the sender's previous one produced
+
+    def reads_in_place(self) -> bool:
+        """Never: a push is an encoding (and the first on an edge a copy) of the shard."""
+        return False
 
     @property
     def shard(self) -> np.ndarray:
@@ -255,43 +261,6 @@ class ChocoMixer(PushSumMixer):
             setattr(self, name, copies)
         self._opened_out = set(self.sent)
         self._opened_in = set(self.received)
-
-
-class ChocoOverlapMixer(ChocoMixer, OverlapMixer):
-    """Compressed PushSum under Overlap SGP: OverlapMixer's bounded-delay schedule, with each
-    peer's messages applied in the order they were sent."""
-
-    def __init__(self, buffer, topology: Topology, transport: Transport,
-                 progress: ProgressEngine, local: Optional[MPI.Comm] = None,
-                 push_sum: bool = True, codec: Optional[Codec] = None, max_delay: int = 1,
-                 step: Optional[float] = None, error_feedback: bool = True):
-        OverlapMixer.__init__(self, host_view(buffer), topology, transport, progress, local,
-                              push_sum, codec, max_delay)
-        self._compress(step, error_feedback)
-
-    def _collect(self, stale: int) -> None:
-        """Add arrived messages, oldest iteration first; a peer's message waits while an older
-        one from it is still out. Messages of iterations <= ``stale`` are waited for."""
-        behind: set[int] = set()
-        for pending in self.in_flight:
-            if pending.iteration <= stale:
-                self.progress.wait_receives(pending)
-            self._add_in_order(pending, behind)
-        self._release()
-
-    def _add_in_order(self, pending: Pending, behind: set[int]) -> None:
-        sources = pending.sources()
-        rows = []
-        for t, source in enumerate(sources):
-            if t in pending.added:
-                continue
-            if pending.complete[t] and source not in behind:
-                rows.append(t)
-            else:
-                behind.add(source)
-        if rows:
-            self.add([pending.received[t] for t in rows], [sources[t] for t in rows])
-            pending.added.update(rows)
 
 
 def combine(shard: np.ndarray, weight: float, terms: Sequence[tuple[float, np.ndarray]],

@@ -28,6 +28,7 @@ from hvd_sgp.common.codecs import WEIGHT_BYTES, Codec, codec as make_codec
 from hvd_sgp.common.errors import SgpError, SgpValueError, TopologyError
 from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.node import NodeShard
+from hvd_sgp.common.timing import Synchronous, Timing
 from hvd_sgp.common.topology import Topology, make_topology
 from hvd_sgp.common.transport import Pending, PeerTransport, Transport
 
@@ -74,14 +75,22 @@ class PushSumMixer:
     """The mixing state of one node; ``transport`` reaches the other nodes (over MPI: the cross
     communicator, one rank per node; in the simulator: in-process mailboxes).
 
+    This class is the codec part of a mixer (what a message carries: here the parameters
+    themselves; choco.py and sparse.py carry other things); ``timing`` is its timing part
+    (timing.py: synchronous by default, or overlap.Overlap).
+
     A ``codec`` other than the identity (see codecs.py) encodes the pushed parameters; the
     weight then travels exact beside them, and receivers accumulate in the buffer's precision.
-    ``track_weight`` forces the weight on (or off) instead of deciding from the graph.
+    ``track_weight`` forces the weight on (or off) instead of deciding from the graph and the
+    timing (messages summed in late move it: Overlap SGP always tracks it).
     """
+
+    ordered = False  # whether a peer's messages must be summed in in the order sent
 
     def __init__(self, buffer, topology: Topology, transport: Transport,
                  local: Optional[MPI.Comm] = None, push_sum: bool = True,
-                 codec: Optional[Codec] = None, track_weight: Optional[bool] = None):
+                 codec: Optional[Codec] = None, track_weight: Optional[bool] = None, *,
+                 timing: Optional[Timing] = None):
         self.kit = kit_for(buffer)
         if not self.kit.is_flat(buffer) or len(buffer) < 1:
             raise SgpValueError("the PushSum buffer must be one contiguous 1-D array of "
@@ -94,9 +103,13 @@ class PushSumMixer:
         self.topology = topology
         self.node = transport.rank
         self.push_sum = push_sum
+        timing = Synchronous() if timing is None else timing
+        if push_sum and timing.overlapped and track_weight is False:
+            raise SgpValueError("Overlap SGP sums messages in late, which moves the PushSum "
+                                "weight: it cannot go untracked (track_weight=False)")
         # None: skip the weight where it provably stays 1 (doubly stochastic, synchronous).
-        self.track_weight = (push_sum and not topology.doubly_stochastic
-                             if track_weight is None else track_weight and push_sum)
+        self.track_weight = push_sum and (not topology.doubly_stochastic or timing.overlapped
+                                          if track_weight is None else track_weight)
         self.codec = make_codec(codec)
         self.iteration = 0
         self.transport = transport
@@ -109,6 +122,8 @@ class PushSumMixer:
         self._size = (self.codec.nbytes(self.width) + WEIGHT_BYTES if self._wire
                       else self.width + 1)
         self._slot = Slot(self.kit, buffer)  # synchronous iterations reuse one
+        self.timing = timing
+        timing.attach(self)
 
     @property
     def weight(self) -> float:
@@ -133,14 +148,28 @@ class PushSumMixer:
         dtype.Commit()
         return [self.buffer, 1, dtype]
 
-    overlapped = False  # iterations complete within mix(): nothing stays in flight
+    @property
+    def overlapped(self) -> bool:
+        """Whether messages stay in flight between iterations (the timing part says)."""
+        return self.timing.overlapped
+
+    @property
+    def in_flight(self):
+        """The iterations still in flight, oldest first."""
+        return self.timing.in_flight
+
+    def reads_in_place(self) -> bool:
+        """Whether a push can read the buffer itself (as it is after the local step) instead
+        of a copy: uncompressed PushSum pushes do."""
+        return not self._wire and self.push_sum
 
     def mix(self) -> None:
-        """One synchronous PushSum iteration over this iteration's graph."""
-        self.finish(self.begin())
+        """One PushSum iteration over this iteration's graph, at the timing part's pace."""
+        self.timing.mix()
 
     def drain(self) -> None:
-        """Nothing is in flight between synchronous iterations."""
+        """Sum in every message still in flight (for evaluation, checkpoints, mode switches)."""
+        self.timing.drain()
 
     def begin(self, slot: Optional[Slot] = None, in_place: bool = False) -> Pending:
         """Keep this node's share of the weight and post the pushes and receives of the
@@ -209,16 +238,19 @@ class PushSumMixer:
         self.part.gather()
 
     def release(self) -> None:
-        """Synchronous pushes are taken within mix(): none is in flight between steps."""
+        """Wait until no push in flight reads the buffer in place (before it is written)."""
+        self.timing.release()
 
     def absorb(self) -> None:
-        """Synchronous iterations sum in within mix(): nothing waits for the next step."""
+        """Before the local step: sum in what an in-place push kept out of the buffer."""
+        self.timing.absorb()
 
     def abandon(self) -> None:
-        """Give up the iteration in flight (a peer was lost): the shard is de-biased as it
-        stands (it always is); the messages in flight are never added."""
+        """Give up the iterations in flight (a peer was lost): the shard is de-biased as it
+        stands (it always is); the messages in flight, sent or expected, are never added."""
         if not self.track_weight:
             self.buffer[self.n] = 1
+        self.timing.abandon()
 
     def add(self, received, sources: list[int]) -> None:
         """Sum received messages (one row each: parameters z' and weight share s) into the

@@ -30,27 +30,25 @@ from hvd_sgp.common.choco import host_view
 from hvd_sgp.common.codecs import WEIGHT_BYTES, Codec, Draw, RandomKCodec
 from hvd_sgp.common.errors import SgpError, SgpValueError
 from hvd_sgp.common.mpi import MPI
-from hvd_sgp.common.overlap import OverlapMixer
 from hvd_sgp.common.pushsum import PushSumMixer, Slot
+from hvd_sgp.common.timing import Timing
 from hvd_sgp.common.topology import Topology
-from hvd_sgp.common.transport import ProgressEngine, Transport
+from hvd_sgp.common.transport import Transport
 
 SEED_BYTES = 8  # a message starts with the iteration whose draw it carries
 
 
 class SparseMixer(PushSumMixer):
-    """One node's random-k gossip on one buffer (see the module docstring). ``weighted``
-    tracks a weight per run (None: where weights move, i.e. on graphs that are not doubly
-    stochastic; Overlap SGP always does)."""
+    """One node's random-k gossip on one buffer (see the module docstring): the codec part of
+    a mixer, under either timing part. ``weighted`` tracks a weight per run (None: where
+    weights move, i.e. on graphs that are not doubly stochastic, and under Overlap SGP)."""
 
     def __init__(self, buffer, topology: Topology, transport: Transport,
                  local: Optional[MPI.Comm] = None, push_sum: bool = True,
-                 codec: Optional[Codec] = None, weighted: Optional[bool] = None):
+                 codec: Optional[Codec] = None, weighted: Optional[bool] = None, *,
+                 timing: Optional[Timing] = None):
         super().__init__(host_view(buffer), topology, transport, local, push_sum, codec,
-                         track_weight=False)
-        self._sparse(weighted)
-
-    def _sparse(self, weighted: Optional[bool]) -> None:
+                         timing=timing)
         if not isinstance(self.codec, RandomKCodec):
             raise SgpValueError(f"random-k gossip needs the randomk codec, got {self.codec!r}")
         doubly = self.topology.doubly_stochastic
@@ -59,7 +57,8 @@ class SparseMixer(PushSumMixer):
                                 f"stochastic mixing; {self.topology!r} is not")
         self.track_weight = False  # the scalar slot stays 1: the weights are per run
         drawn, runs = self.codec.runs(self.width)
-        weighted = (not doubly if weighted is None else weighted) and self.push_sum
+        weighted = (not doubly or self.timing.overlapped if weighted is None
+                    else weighted) and self.push_sum
         self.run_weights = np.ones(runs) if weighted else None
         self.codec_seconds = 0.0  # drawing, gathering and summing in (no communication)
         # the seed, each drawn run's weight share (float64, where tracked), the values in the
@@ -84,7 +83,7 @@ class SparseMixer(PushSumMixer):
         phase = self.topology.phase(self.iteration)
         out_peers, in_peers = phase.out_peers[self.node], phase.in_peers(self.node)
         shard = self.buffer[self.start:self.stop]
-        for old in [k for k in self._draws if k < self.iteration - self._window()]:
+        for old in [k for k in self._draws if k < self.iteration - self.timing.max_delay]:
             del self._draws[old]
         draw = self._draw(self.iteration)
         weights = None if self.run_weights is None else self.run_weights[draw.runs]
@@ -107,10 +106,6 @@ class SparseMixer(PushSumMixer):
         pending.received = received
         return pending
 
-    def _window(self) -> int:
-        """How many iterations back a message may still arrive from."""
-        return 0
-
     def _parts(self, row: np.ndarray, draw: Optional[Draw] = None):
         """(seed, run shares, values, share) views of a message (the values of ``draw``,
         which the seed names, when given)."""
@@ -121,7 +116,7 @@ class SparseMixer(PushSumMixer):
 
     def _message_draw(self, row: np.ndarray, source: int) -> Draw:
         seed = int(row[:SEED_BYTES].view(np.uint64)[0])
-        if not 0 <= self.iteration - seed <= self._window():
+        if not 0 <= self.iteration - seed <= self.timing.max_delay:
             raise SgpError(f"{self.transport.peer_name(source)} drew its random-k entries "
                            f"for iteration {seed} while this rank is at "
                            f"{self.iteration}: ranks are running different steps")
@@ -193,18 +188,3 @@ class SparseMixer(PushSumMixer):
             raise SgpValueError(f"checkpoint's random-k weights are for {len(weights)} runs, "
                                 f"this model's shard has {len(self.run_weights)}")
         self.run_weights[...] = weights
-
-
-class SparseOverlapMixer(SparseMixer, OverlapMixer):
-    """Random-k gossip under Overlap SGP: OverlapMixer's bounded-delay schedule, with a
-    weight per run (messages are summed in as they arrive, each with its own draw)."""
-
-    def __init__(self, buffer, topology: Topology, transport: Transport,
-                 progress: ProgressEngine, local: Optional[MPI.Comm] = None,
-                 push_sum: bool = True, codec: Optional[Codec] = None, max_delay: int = 1):
-        OverlapMixer.__init__(self, host_view(buffer), topology, transport, progress, local,
-                              push_sum, codec, max_delay)
-        self._sparse(weighted=True)
-
-    def _window(self) -> int:
-        return self.max_delay

@@ -1,7 +1,7 @@
 """SGP simulated in one process, for up to thousands of nodes (``python -m hvd_sgp.sim``).
 
-Every node runs the core's own mixer (PushSumMixer, OverlapMixer with delays, ChocoMixer
-or SparseMixer and their overlapped kinds for lossy codecs, as mixers.py chooses) over an
+Every node runs the core's own mixer (PushSumMixer, or ChocoMixer or SparseMixer for lossy
+codecs, synchronous or with Overlap SGP's timing for delays, as mixers.py chooses) over an
 in-process transport, and local steps follow the core's OuterLoop, so consensus, bias, delay
 and compression effects can be studied at sizes no test cluster has, with the very code that
 runs over MPI. No MPI is started and no framework is imported.
