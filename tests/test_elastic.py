@@ -464,5 +464,3 @@ def test_sgprun_discovers_hosts_before_the_launch():
     with pytest.raises(launch.LaunchError, match="drop -H/--hostfile"):
         launch.discover(args, {})
     assert launch.main(["-np", "1", "--host-discovery-script", "exit 4", "python", "x"]) == 2
-
-
