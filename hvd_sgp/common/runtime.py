@@ -121,7 +121,8 @@ def _join_guard() -> bool:
     """On a process spawned by a grow (Open MPI sets OMPI_PARENT_PORT before MPI starts), in
     fault-tolerant mode: an alarm that ends it (SIGALRM, default action) when MPI_Init and the
     join (world_grow.arrive) have not completed within the repair's deadline. MPI_Init never
-    returns when a survivor dies during the spawn, and holds the GIL: a Python timer could not act."""
+    returns when a survivor dies during the spawn, and holds the GIL: a Python timer could not
+    act."""
     if "OMPI_PARENT_PORT" not in os.environ or not options.from_environment("fault_tolerant"):
         return False
     signal.signal(signal.SIGALRM, signal.SIG_DFL)
