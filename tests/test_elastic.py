@@ -456,26 +456,3 @@ def test_sgprun_discovers_hosts_before_the_launch():
     with pytest.raises(launch.LaunchError, match="drop -H/--hostfile"):
         launch.discover(args, {})
     assert launch.main(["-np", "1", "--host-discovery-script", "exit 4", "python", "x"]) == 2
-
-
-def test_resize_plan_keeps_ranks_and_fills_free_slots(monkeypatch):
-    """Who leaves and who comes when the hosts change, worked out alike on every rank: a rank
-    stays while its host has a slot for it (the highest ranks of a host leave first), the
-    ranks that stay keep their order, newcomers fill free slots in host order up to
-    HVD_SGP_MAX_NP and take the seats after them."""
-    from types import SimpleNamespace
-
-    from hvd_sgp.common import runtime
-
-    monkeypatch.setenv("HVD_SGP_MAX_NP", "4")
-    world = SimpleNamespace(origins=[0, 1, 2, 3], hosts=["a", "a", "b", "b"], next_origin=4)
-    plan = runtime._resize_plan(world, [("a", 2), ("b", 1)])
-    assert plan["leaving"] == [3] and plan["newcomers"] == []
-    plan = runtime._resize_plan(world, [("b", 3), ("c", 2)])
-    assert plan["leaving"] == [0, 1]
-    assert [(o, slot, host) for o, slot, _, host in plan["newcomers"]] == [(4, 2, "b"),
-                                                                           (5, 3, "c")]
-    assert plan["slots"] == {2: 0, 3: 1, 4: 2, 5: 3}
-    monkeypatch.delenv("HVD_SGP_MAX_NP")
-    plan = runtime._resize_plan(world, [("a", 2), ("b", 2), ("c", 2)])
-    assert plan["leaving"] == [] and len(plan["newcomers"]) == 2  # no --max-np: every slot

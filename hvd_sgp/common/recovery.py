@@ -51,10 +51,10 @@ class _Status:
         self.timeout = 300.0
         self.elastic_depth = 0  # > 0 while hvd.elastic.run runs the training function
         self.repairing: Optional[float] = None  # the deadline of the repair under way
-        self.spawning = False  # inside a grow's MPI_Comm_spawn and merge (runtime._grow)
+        self.spawning = False  # inside a grow's MPI_Comm_spawn and merge (world_grow.grow)
         self.failure_noticed = False  # set when PeerLostError is raised, cleared by a repair
         self.repairs = 0  # completed repairs of the world
-        self.replacement = False  # this process replaced a lost rank (runtime._arrive)
+        self.replacement = False  # this process replaced a lost rank (world_grow.arrive)
         self.watchdog: Optional[threading.Thread] = None
         self.stop = threading.Event()
         self.revoke_all: Callable[[], None] = lambda: None  # the runtime's (configure)

@@ -1,0 +1,225 @@
+"""The world grows: spawned processes join it (``grow`` on the survivors, ``arrive`` on the
+newcomers), after a repair (HVD_SGP_MAX_NP) or a change of the discovered hosts (``resize``,
+which may also send ranks away). Who goes where is planned in ``planners``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any, Optional
+
+from hvd_sgp.common import discovery, fault_record, options, planners, recovery
+from hvd_sgp.common.errors import SgpError
+from hvd_sgp.common.mpi import MPI
+from hvd_sgp.common.world import World, WorldChange, notify, regroup, track, untrack
+
+
+def missing(world: World) -> int:
+    """How many ranks the world lacks to be its target size again (HVD_SGP_MAX_NP, and with
+    host discovery the discovered slots); 0 without one."""
+    target = planners.target_size(options.from_environment("max_np"), world.discovered)
+    return planners.missing(target, world.world.Get_size())
+
+
+def replacement_plan(world: World, seats: dict) -> dict:
+    """Where the ranks ``missing`` go after a loss (``planners.replacements``)."""
+    return planners.replacements(world.origins, seats, world.next_origin, missing(world),
+                                 options.from_environment("local_size"))
+
+
+def _spawn_infos(world: World, hosts: list) -> list:
+    """Where each new process starts (one MPI_Info per process): on the lost rank's host, in
+    its place (the dead process's slot is not freed by Open MPI's runtime, hence the
+    oversubscription), or on a host the discovery script named. A discovered host the runtime
+    does not know yet is added to its allocation once (PMIX_ADD_HOST, with the host's
+    discovered slots: PRRTE starts a daemon there). The mapping policy is one directive for
+    the whole spawn: Open MPI 5.0 refuses it repeated in a second MPI_Info ("conflicting
+    directives"), so only the first carries it."""
+    infos, adding = [], set()
+    for index, host in enumerate(hosts):
+        info = MPI.Info.Create()
+        if index == 0:
+            info.Set("map_by", ":OVERSUBSCRIBE")
+        info.Set("wdir", os.getcwd())
+        if host is not None:
+            info.Set("host", host)
+            if (world.discovered is not None and host not in world.allocated
+                    and host not in adding):
+                adding.add(host)
+                info.Set("PMIX_ADD_HOST", f"{host}:{dict(world.discovered).get(host, 1)}")
+        infos.append(info)
+    return infos
+
+
+def grow(world: World, plan: dict, known: set, seats: dict) -> Optional[WorldChange]:
+    """Spawn the newcomers of ``plan`` (MPI_Comm_spawn_multiple from the survivors, the same
+    program and arguments, one process per newcomer's host) and merge them in. The newcomer's
+    side is ``arrive``: both end in ``_settle``. The subscribers are called with ``joined`` set
+    and must not communicate for it (the newcomers have none yet): an optimizer puts its
+    engine aside, to start again with the newcomers' own engines at the same point of the
+    training function (see engine.retire). An MPI that cannot spawn (no slot, no such host)
+    leaves the world as it was, with a warning. ``known`` gains the newcomers' origins and
+    ``seats`` their seats (for a later attempt's plan)."""
+    count = len(plan["newcomers"])
+    infos = _spawn_infos(world, [host for _, _, _, host in plan["newcomers"]])
+    with recovery.spawning():
+        try:
+            inter = world.world.Spawn_multiple([sys.executable] * count,
+                                               [sys.orig_argv[1:]] * count, [1] * count, infos,
+                                               root=0)
+        except MPI.Exception as error:
+            if recovery.is_failure(error):
+                raise
+            if world.world.Get_rank() == 0:
+                print(f"hvd_sgp: could not start {count} new process(es) "
+                      f"({error.Get_error_string()}); {world.world.Get_size()} ranks go on",
+                      file=sys.stderr, flush=True)
+            return None
+        finally:
+            for info in infos:
+                info.Free()
+        track(inter)
+        try:
+            merged = inter.Merge(high=False)
+        finally:
+            untrack(inter)
+            inter.Disconnect()  # (with the newcomers' parent.Disconnect(): see arrive)
+    size_before = world.world.Get_size()
+    world.allocated |= {host for _, _, _, host in plan["newcomers"] if host is not None}
+    merged.bcast(dict(plan, hosts=(world.discovered, world.allocated)), root=0)
+    comm, local, cross, entries = _settle(merged, plan, world.origin, world.node, world.host)
+    world.install(comm, local, cross, entries)
+    joined = tuple(origin for origin, _, _, _ in plan["newcomers"])
+    known.update(joined)
+    seats.update({origin: (plan["slots"][origin], node, host)
+                  for origin, node, host in entries})
+    change = WorldChange(comm, local, cross, (), size_before, False, joined)
+    notify(change)
+    return change
+
+
+def _settle(merged: MPI.Comm, plan: dict, origin: int, node: Any,
+            host: str) -> tuple[MPI.Comm, MPI.Comm, MPI.Comm, list]:
+    """Survivors and newcomers alike: order the merged world by seat, and form its nodes."""
+    track(merged)
+    try:
+        comm = merged.Split(0, key=plan["slots"][origin])
+    finally:
+        untrack(merged)
+        recovery.free(merged)
+    entries = comm.allgather((origin, node, host))
+    local, cross = regroup(comm, [node for _, node, _ in entries])
+    return comm, local, cross, entries
+
+
+def arrive(parent: MPI.Comm) -> World:
+    """A newcomer's init(): merge with the survivors that spawned it, take the seat their
+    plan gives (``grow``), and form the nodes with them. A failure on the way (a survivor
+    lost meanwhile) ends this process, and the survivors repair without it; so does a join
+    that has not completed within the repair's deadline (runtime's join guard)."""
+    try:
+        parent.Set_errhandler(MPI.ERRORS_RETURN)
+        merged = parent.Merge(high=True)
+        # Disconnected, not kept: a parent intercommunicator still held at exit makes MPI_Finalize
+        # wait forever to disconnect from survivors that no longer hold theirs (the exit alarm
+        # then killed the replacement, and PRRTE 3.0 reported the spawned job's abnormal end as
+        # "LAUNCHER JOB OBJECT NOT FOUND", its parent job being gone).
+        parent.Disconnect()
+        plan = merged.bcast(None, root=0)
+        origin, _, node, host = plan["newcomers"][merged.Get_rank() - plan["survivors"]]
+        node = MPI.Get_processor_name() if node is None else node
+        host = MPI.Get_processor_name() if host is None else host
+        comm, local, cross, entries = _settle(merged, plan, origin, node, host)
+    except MPI.Exception as error:
+        recovery.exclude_self(f"this replacement could not join the job "
+                              f"({error.Get_error_string()})")
+    world = World(comm, local, cross, MPI.Query_thread(), node, origin, entries, host)
+    world.discovered, world.allocated = plan["hosts"]
+    world.next_origin = plan["next_origin"]
+    world.replacement = True
+    recovery.arrived()
+    return world
+
+
+# --- host discovery: the world follows the discovered hosts ---------------------------------
+def _resize_plan(world: World, hosts: list) -> dict:
+    return planners.resize(world.origins, world.hosts, hosts, world.next_origin,
+                           options.from_environment("max_np"),
+                           options.from_environment("local_size"))
+
+
+def hosts_changed(world: World, latest: Optional[list]) -> int:
+    """Compare the hosts the discovery script printed last (rank 0's, the same on every rank:
+    hvd.elastic's commit broadcasts them) with those the world is laid out for. A change that
+    moves no rank (slots beyond HVD_SGP_MAX_NP, a host without ranks gone) is taken silently;
+    any other waits as ``pending`` for ``resize``. Returns discovery.ADDED when ranks will
+    join and REMOVED when ranks will leave (Horovod's HostUpdateResult, which flags hosts; here
+    the ranks that move decide, so that ``skip_sync`` never skips a newcomer's sync), 0 for no
+    change."""
+    if latest is None or world.discovered is None:
+        return 0
+    latest = discovery.merged_order(world.discovered, latest)
+    if latest == world.discovered:
+        return 0
+    change = planners.host_change(_resize_plan(world, latest))
+    if change:
+        world.pending = latest
+    else:
+        world.discovered = latest
+    return change
+
+
+def resize(world: World) -> bool:
+    """Lay the world out for the agreed new hosts (``pending``); every rank calls it, between
+    two calls of the training function (hvd.elastic.run, after HostsUpdatedInterrupt). Returns
+    True on a rank that must leave: its host is gone or has fewer slots now (the highest ranks
+    of a host leave first); it takes part in the split and nothing after.
+
+    1. The world splits into the ranks that stay (rank order kept, so rank 0 stays rank 0
+       unless its host went) and those that leave; nodes are re-formed.
+    2. The ``on_world_change`` subscribers are called as after a failure: optimizers fold
+       their PushSum state into the exact average of the ranks that stay, weight 1 each (the
+       leaving ranks' share goes with them, as a lost rank's does).
+    3. Newcomers are spawned on the hosts with free slots, in host order, up to
+       HVD_SGP_MAX_NP, and seated after the ranks that stay (``grow``); they join at
+       hvd.elastic's ``state.sync()``, as replacements do.
+    Fewer ranks than HVD_SGP_MIN_NP end the job with an SgpError on every rank. A lost rank
+    during the change raises PeerLostError; after the repair, ``resize`` is called again and
+    works out what is left to do from the world as it then is.
+    """
+    began = time.monotonic()
+    plan = _resize_plan(world, world.pending)
+    keep = len(plan["slots"]) - len(plan["newcomers"])
+    minimum = options.from_environment("min_np")
+    if keep + len(plan["newcomers"]) < minimum:
+        raise SgpError(f"the discovered hosts {discovery.encode(world.pending)} give "
+                       f"{keep + len(plan['newcomers'])} ranks, fewer than "
+                       f"HVD_SGP_MIN_NP={minimum}: the job ends")
+    leaving = world.origin in plan["leaving"]
+    grown = None
+    with recovery.repairing(began + recovery.repair_deadline()):
+        with recovery.translated("the change of hosts"):
+            comm = world.world.Split(MPI.UNDEFINED if leaving else 0, key=world.world.Get_rank())
+            if leaving:
+                return True
+            size_before = world.world.Get_size()
+            entries = comm.allgather(world.entry())
+            local, cross = regroup(comm, [node for _, node, _ in entries])
+            world.install(comm, local, cross, entries)
+            notify(WorldChange(comm, local, cross, tuple(plan["leaving"]), size_before, False))
+            world.discovered = world.pending
+            if plan["newcomers"]:
+                grown = grow(world, plan, set(world.origins), world.seats())
+            world.pending = None
+    if grown is not None:
+        fault_record.write("joined " + ",".join(map(str, grown.joined)), world.origin)
+    if world.world.Get_rank() == 0:
+        left = f"rank(s) {plan['leaving']} left" if plan["leaving"] else "no rank left"
+        where = sorted({host for *_, host in plan["newcomers"]})
+        added = (f"{len(grown.joined)} rank(s) joined on {where}" if grown is not None
+                 else "no rank joined")
+        print(f"hvd_sgp: hosts changed to {discovery.encode(world.discovered)}: {left}, "
+              f"{added}; {world.world.Get_size()} ranks go on after "
+              f"{time.monotonic() - began:.2f} s", file=sys.stderr, flush=True)
+    return False

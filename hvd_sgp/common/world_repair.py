@@ -1,0 +1,96 @@
+"""The world's repair after a lost rank (fault-tolerant mode, ULFM): shrink to the survivors,
+re-form the nodes, tell the subscribers, and with HVD_SGP_MAX_NP grow back (world_grow).
+The pieces that notice a failure and bound the repair in time are in ``recovery``.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+from hvd_sgp.common import fault_record, options, recovery, world_grow
+from hvd_sgp.common.errors import PeerLostError, PeerTimeoutError, SgpError
+from hvd_sgp.common.world import World, WorldChange, notify, regroup
+
+_said = [False]  # the plain-script note on HVD_SGP_MAX_NP, printed once
+
+
+def repair(world: World, realign: bool) -> WorldChange:
+    """Repair ``world`` in place after a lost rank; every survivor calls it (runtime.repair).
+
+    1. Revoke every hvd_sgp communicator (late ranks learn at their next MPI call).
+    2. Shrink the world to its survivors (ULFM's agreement inside MPI_Comm_shrink gives every
+       survivor the same communicator); the lost ranks are the difference.
+    3. Re-form the nodes and the cross-node communicators (``regroup``).
+    4. Call the ``on_world_change`` subscribers (optimizers rebuild their graph and fold their
+       PushSum state).
+    5. With HVD_SGP_MAX_NP (or host discovery), outside a step (``realign`` False:
+       hvd.elastic.run's repair, the step boundary where Horovod adds hosts), spawn
+       replacements and take them in (``world_grow.grow``); not while a change of hosts
+       waits, whose ``resize`` places the newcomers. A failure during 2-5 starts over at 1.
+    Fewer survivors than HVD_SGP_MIN_NP end the job with an SgpError on every survivor.
+    """
+    began = time.monotonic()
+    deadline = began + recovery.repair_deadline()
+    seats = world.seats()  # the world as it was: names the lost, places their replacements
+    known = set(world.origins)
+    attempts = 0  # spawns tried: an MPI that keeps failing them leaves the world smaller
+    grown = None
+    with recovery.repairing(deadline):
+        while True:
+            world.revoke_all()
+            try:
+                with recovery.translated("the repair of the world"):
+                    change = _shrink(world, known, realign)
+                    survivors = change.world.Get_size()
+                    notify(change)
+                    if (not realign and attempts < 3 and world.pending is None
+                            and world_grow.missing(world) > 0):
+                        attempts += 1
+                        grown = world_grow.grow(world, world_grow.replacement_plan(world, seats),
+                                                known, seats)
+                break
+            except PeerLostError as error:
+                if time.monotonic() > deadline:
+                    raise PeerTimeoutError(f"the world could not be repaired within "
+                                           f"{recovery.repair_deadline():.0f} s") from None
+                if world.world.Get_rank() == 0:
+                    print(f"hvd_sgp: the repair starts over: {error}", file=sys.stderr,
+                          flush=True)
+    lost = sorted(known - set(world.origins))
+    fault_record.write("lost " + ",".join(map(str, lost)), world.origin)
+    if grown is not None:
+        fault_record.write("joined " + ",".join(map(str, grown.joined)), world.origin)
+    if world.world.Get_rank() == 0:
+        ranks = sorted(world.origins.index(origin) for origin in grown.joined) if grown else []
+        joined = (f"; {len(grown.joined)} replacement(s) joined (rank(s) "
+                  f"{ranks}): back to {world.world.Get_size()} ranks"
+                  if grown is not None else "")
+        print(f"hvd_sgp: lost rank(s) {lost}; {survivors} of "
+              f"{change.size_before} ranks go on{joined} after a repair of "
+              f"{time.monotonic() - began:.2f} s", file=sys.stderr, flush=True)
+        if realign and world_grow.missing(world) > 0 and not _said[0]:
+            _said[0] = True
+            print("hvd_sgp: HVD_SGP_MAX_NP replaces lost ranks only under hvd.elastic.run "
+                  "(a replacement joins at its state.sync()); this script repairs inside "
+                  "the optimizer's step, so it goes on with fewer ranks",
+                  file=sys.stderr, flush=True)
+    return grown or change
+
+
+def _shrink(world: World, known: set, realign: bool) -> WorldChange:
+    """Steps 2 and 3 of ``repair``: the survivors' world, its nodes and its membership."""
+    size_before = world.world.Get_size()
+    survivors = world.world.Shrink()  # (Ishrink fails on a revoked world in Open MPI 5.0)
+    entries = survivors.allgather(world.entry())
+    known.update(world.origins)  # replacements taken in by an attempt that failed later
+    lost = tuple(sorted(known - {origin for origin, _, _ in entries}))
+    minimum = options.from_environment("min_np")
+    if survivors.Get_size() < minimum:
+        raise SgpError(f"only {survivors.Get_size()} ranks survive (lost {list(lost)}), fewer "
+                       f"than HVD_SGP_MIN_NP={minimum}: the job ends")
+    if world.discovered is not None:  # a failure may have cut a change of hosts short
+        world.discovered, world.pending, world.allocated = survivors.bcast(
+            (world.discovered, world.pending, world.allocated), root=0)
+    local, cross = regroup(survivors, [node for _, node, _ in entries])
+    world.install(survivors, local, cross, entries)
+    return WorldChange(survivors, local, cross, lost, size_before, realign)
