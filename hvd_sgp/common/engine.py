@@ -83,8 +83,8 @@ class GossipEngine:
         # self.steps, set above: exchanges, the graph's iteration, equal on every rank
         self.calls = 0  # end_step calls: the user's loop position (see Repair.world_changed)
         self.in_call = False  # between a begin_step and its end_step
-        self.meet_at = 0  # after a repair, calls before this one take local steps only, and
-        # this one begins with an exact average (0: none)
+        self.meet_at = 0  # realigning after a repair: calls before it only step locally,
+        # and it begins with an exact average (0: none; repair.py sets it, the step reads it)
         self._planned_ranks = 1  # the ranks begin_step told the adapter to scale for
         self.repairs: list[dict] = []  # one record per repair this engine went through
         self.retired = False  # replacements joined: the session starts a successor
@@ -141,11 +141,6 @@ class GossipEngine:
              self.transport.timeout, self.steps).until(request.Test)
 
     # --- stages ---------------------------------------------------------------------------
-    @property
-    def mode(self) -> str:
-        """The exchange of the current stage."""
-        return self.stage.mode
-
     @property
     def tracks_weight(self) -> bool:
         return any(m.track_weight for m in self.mixers)
