@@ -121,7 +121,7 @@ class SgpSession:
         """Start when the optimizer is wrapped, so that ranks compare their models and options
         there. Not on a replacement (runtime.replacement): the survivors it joins are past
         that point, so its engine starts at its first use, where the survivors start their
-        engines' successors (engine.retire)."""
+        engines' successors (repair.Repair.retire)."""
         if not runtime.replacement():
             self.start()
 
@@ -182,11 +182,11 @@ class SgpSession:
         """PushSum weights, iteration and epoch: the checkpoint contract of every framework."""
         if self._engine is None:  # nothing exchanged yet: the state of step 0
             return {"iteration": 0, "epoch": self._epoch, "weights": [1.0] * len(self.buffers)}
-        return self._engine.state()
+        return self._engine.checkpoint.state()
 
     def load_state(self, state: dict) -> None:
         """Restore ``state()`` on this rank (see checkpoint.py for what a rank restores)."""
-        self.engine.load_state(state)
+        self.engine.checkpoint.load(state)
         self._epoch = self.engine.epoch
 
     def adopt(self, root_state: dict) -> None:
@@ -196,7 +196,7 @@ class SgpSession:
         shared = checkpoint.shared(root_state)
         self._epoch = int(shared.get("epoch", self._epoch))
         if self.started:
-            self._engine.adopt(shared)
+            self._engine.checkpoint.adopt(shared)
 
     @property
     def closed(self) -> bool:
@@ -238,16 +238,16 @@ class _JoinServer:
     def serve(self, poll: Callable[[], object]) -> bool:
         served = False
         for session in self.live():
-            served |= session.engine.serve(poll)
+            served |= session.engine.join.serve(poll)
         return served
 
     def started_iteration(self) -> int:
-        return max([s.engine.started_iteration() for s in self.live() if s.started], default=0)
+        return max([s.engine.join.started_iteration() for s in self.live() if s.started], default=0)
 
     def finish(self, last: int, poll: Callable[[], object]) -> None:
         try:
             for session in self.live():
-                session.engine.finish(last, poll)
+                session.engine.join.finish(last, poll)
         finally:
             self.collected = False
 

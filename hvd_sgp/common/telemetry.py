@@ -9,6 +9,7 @@ rank 0 merges them into the named file at shutdown, one row per rank (open it in
 """
 from __future__ import annotations
 
+import atexit
 import glob
 import json
 import os
@@ -21,6 +22,9 @@ import numpy as np
 
 if TYPE_CHECKING:  # telemetry is read by tools and the simulator, which do not start MPI
     from mpi4py import MPI
+
+if TYPE_CHECKING:
+    from hvd_sgp.common.options import SgpOptions
 
 
 def consensus(params: np.ndarray, comm: MPI.Comm) -> dict:
@@ -119,6 +123,21 @@ class MetricsLog:
         return c
 
 
+def run_label(options: "SgpOptions", codec_spec: str = "none", feeds_back: bool = False) -> str:
+    """A short label for logs and plots, e.g. 'sgp exponential peers=1' or
+    'sgp exponential peers=1 overlap tau=2 topk:0.01 no-ef' (``feeds_back``: whether
+    error feedback changes how the codec gossips, mixers.feeds_back)."""
+    topology = options.topology if isinstance(options.topology, str) else repr(options.topology)
+    label = options.schedule or f"{options.mode} {topology} peers={options.peers}"
+    label += f" overlap tau={options.max_delay}" if options.overlap else ""
+    if codec_spec != "none":
+        label += f" {codec_spec}" + ("" if options.error_feedback or not feeds_back
+                                     else " no-ef")
+    label += f" H={options.local_steps}" if options.local_steps > 1 else ""
+    label += f" outer={options.outer_optimizer}" if options.outer_optimizer is not None else ""
+    return label + (f" slowmo={options.slowmo:g}" if options.slowmo is not None else "")
+
+
 class Timeline:
     """Chrome trace events of one rank, written as they happen to ``<path>.rank<r>``.
 
@@ -214,6 +233,16 @@ def merge_timeline(path: str) -> int:
     with open(path, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
     return len(events)
+
+
+def open_timeline(rank: int, size: int) -> Optional[Timeline]:
+    """This rank's timeline where one was asked for (``timeline_path``), finished at exit."""
+    path = timeline_path()
+    if not path:
+        return None
+    timeline = Timeline(path, rank, size)
+    atexit.register(timeline.finish)
+    return timeline
 
 
 def timeline_path() -> Optional[str]:

@@ -78,7 +78,7 @@ class FlatGroup:
 
     @property
     def grad(self) -> torch.Tensor:
-        """The flat gradients, and one spare element for the engine (see engine.py)."""
+        """The flat gradients, and one spare element for the engine (see step_protocol.py)."""
         if self._grad is None:
             self._grad = torch.zeros(self.numel + 1, dtype=self.flat.dtype, device=self.device)
             self._grad_views = [self._grad[a:b].view_as(p)

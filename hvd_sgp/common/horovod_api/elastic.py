@@ -204,11 +204,11 @@ def reset_gossip(optimizer: Any) -> None:
     """After a sync made every rank's parameters rank 0's: an SGP optimizer's PushSum weights
     become 1 and its messages in flight are dropped (the exact state of a consensus). An
     engine not running has nothing to reset: a new one starts with weight 1, and so does a
-    survivor's successor after replacements joined (engine.retire); it starts at the next
+    survivor's successor after replacements joined (repair.Repair.retire); it starts at the next
     use, on every rank alike (a replacement's optimizer may not even be built yet)."""
     session = getattr(optimizer, "_sgp_session", None)
     if session is not None and session().started:
-        session().engine.reset_weights()
+        session().engine.repair.reset_weights()
 
 
 def _peer_failure(error: HorovodInternalError) -> bool:
