@@ -5,7 +5,8 @@ random directed graphs: the outer step over gossip leaves every PushSum weight a
 sum to n), gossip rounds between outer steps conserve the numerators, the outer step moves the
 numerators by exactly sum_i w_i (new z_i - z_i), and on a graph whose weights stay 1 the
 network's average follows DiLoCo on the averaged pseudo-gradient exactly. On real MPI
-(outer_checks.py, 4 ranks): DiLoCo over AllReduce and over gossip, factories, resume.
+(outer_checks.py, 4 ranks): DiLoCo over AllReduce and over gossip, factories, resume;
+(keras_outer_checks.py, 2 ranks) a Keras optimizer as the outer step, under Keras 3 and tf_keras.
 """
 import numpy as np
 import pytest
@@ -38,6 +39,19 @@ def test_two_rank_nodes():
                   "check_diloco_over_gossip", "check_outer_state_resumes_exactly",
                   env={"HVD_SGP_LOCAL_SIZE": "2"}, timeout=900).stdout
     assert "all outer checks passed on 4 ranks" in out
+
+
+@pytest.mark.parametrize("legacy", ["0", "1"])
+def test_keras_outer_optimizer(legacy):
+    """A Keras optimizer (Keras 3, or tf_keras) as the outer step, on 2 ranks."""
+    pytest.importorskip("tensorflow")
+    if legacy == "1":
+        pytest.importorskip("tf_keras")
+    out = run_mpi(2, "keras_outer_checks.py", env={"TF_USE_LEGACY_KERAS": legacy},
+                  timeout=600).stdout
+    print(out)
+    assert "all keras outer checks passed on 2 ranks" in out
+    assert ("tf_keras SGD" if legacy == "1" else "keras SGD") in out
 
 
 def test_presets_and_the_options_table():

@@ -117,7 +117,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("outer_optimizer", str, None, "outer step on the pseudo-gradient (model at the last "
            "sync minus the averaged model) every local_steps steps, averaged exactly "
            "(mode=allreduce, DiLoCo) or by one PushSum round (mode=sgp): diloco, "
-           "nesterov:LR:MU, heavyball:LR:MU, sgd:LR (torch: also an optimizer factory)",
+           "nesterov:LR:MU, heavyball:LR:MU, sgd:LR (torch: also an optimizer factory; Keras: an "
+           "optimizer or a factory)",
            objects=outer_steps.OuterStep, check=outer_steps.parse, metavar="SPEC"),
     Option("metrics", str, None, "append consensus metrics as JSON lines to this file",
            agree="presence", metavar="PATH"),
