@@ -125,7 +125,8 @@ class GossipEngine:
         self.progress = None
         self.elastic = telemetry.ElasticConsistency()
         self.outer = OuterLoop(options.local_steps, options.slowmo, options.slowmo_lr,
-                               options.outer_optimizer)
+                               options.outer_optimizer, options.outer_fragments)
+        self.outer.average = lambda buf, w: exact_average(buf, self.cross, self.local, w)
         self.epoch = 0
         # self.steps, set above: exchanges, the graph's iteration, equal on every rank
         self.calls = 0  # end_step calls: the user's loop position (see _world_changed)
@@ -238,9 +239,8 @@ class GossipEngine:
                              consensus_step=self.options.consensus_step,
                              error_feedback=self.options.error_feedback,
                              in_place=True)  # the buffers are written after begin_step
-                       for buf in self.buffers]
-        for mixer in self.mixers:
-            mixer.iteration = self.outer.rounds(self.steps)
+                       for buf in self.outer.gossip_buffers(self.buffers)]
+        self.outer.set_rounds(self.mixers, self.steps)
         if was_tracking and not self.tracks_weight:
             self._average_parameters()  # the new stage assumes weight 1: fold it in exactly
 
@@ -352,7 +352,7 @@ class GossipEngine:
         if self._joined_group is not None:
             self._resync(self._joined_group)
         self.steps += 1
-        mixers = self.mixers if self.outer.exchanges(self.steps) else []
+        mixers = self.outer.gossiping(self.mixers, self.steps, self.buffers)
         if self.timeline is not None:
             self.timeline.step_boundary(self.steps)
             with self.timeline.span("send/receive", step=self.steps, mode=mode):
@@ -497,7 +497,8 @@ class GossipEngine:
 
     def _average_parameters(self) -> None:
         drain(self.mixers)
-        self._fold([m.entry_weights() for m in self.mixers])
+        if not self.outer.fold(self.buffers, self.mixers):  # (fragments: each by its weight)
+            self._fold([m.entry_weights() for m in self.mixers])
         for mixer in self.mixers:
             mixer.reset_weights()
 
@@ -751,6 +752,7 @@ def describe_run(options: SgpOptions, codec: Codec = Codec()) -> str:
                                      else " no-ef")
     label += f" H={options.local_steps}" if options.local_steps > 1 else ""
     label += f" outer={options.outer_optimizer}" if options.outer_optimizer is not None else ""
+    label += f" fragments={options.outer_fragments}" if options.outer_fragments > 1 else ""
     return label + (f" slowmo={options.slowmo:g}" if options.slowmo is not None else "")
 
 

@@ -120,6 +120,9 @@ OPTIONS: tuple[Option, ...] = (
            "nesterov:LR:MU, heavyball:LR:MU, sgd:LR (torch: also an optimizer factory; Keras: an "
            "optimizer or a factory)",
            objects=outer_steps.OuterStep, check=outer_steps.parse, metavar="SPEC"),
+    Option("outer_fragments", int, 1, "streaming outer steps: the model in this many fragments, "
+           "fragment p syncing at the steps congruent to p*local_steps//P modulo local_steps "
+           "(peak bytes per step fall P-fold); at most local_steps", minimum=1),
     Option("metrics", str, None, "append consensus metrics as JSON lines to this file",
            agree="presence", metavar="PATH"),
     Option("metrics_every", int, 10, "steps between metrics records", minimum=1),
