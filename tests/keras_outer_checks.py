@@ -77,8 +77,8 @@ def check_keras_sgd_is_the_nesterov_preset():
         moved = float(np.abs(plain - preset).max())
         assert moved > 1e-2, moved  # the outer step changes the trajectory
     assert max(diffs.values()) < 1e-5, diffs
-    return (f"{flavour.family(keras_nesterov())} SGD(momentum={MU}, nesterov) == nesterov:{LR}:{MU}, "
-            f"every step of {4 * H} (largest difference {diffs})")
+    return (f"{flavour.family(keras_nesterov())} SGD(momentum={MU}, nesterov) == "
+            f"nesterov:{LR}:{MU}, every step of {4 * H} (largest difference {diffs})")
 
 
 @checks
@@ -98,7 +98,8 @@ def check_keras_adam_trains_and_resumes():
     _, _, again = run(2 * H, None, model=model, opt=opt, seed=1)
     diff = float(np.abs(ahead - again).max())
     assert diff < 1e-6, diff
-    return f"a Keras Adam outer optimizer trains; its state reloaded gives the same steps ({diff:.1e})"
+    return (f"a Keras Adam outer optimizer trains; its state reloaded gives the same steps "
+            f"({diff:.1e})")
 
 
 @checks
