@@ -278,13 +278,14 @@ def markdown(report: dict, args, load: str) -> str:
                 f"{VOCAB}, context {CONTEXT}), SGD lr 0.1 momentum 0.9, batch 32, "
                 f"{args.lm_tokens} tokens per rank, {args.lm_epochs} epochs; the source's "
                 f"entropy rate (the floor): {rows[0]['floor']:.3f}")
-        lines += [f"**{head}**; seeds {', '.join(map(str, rows[0]['seeds']))}", "",
-                  f"| variant | {unit} (own) | range over seeds | {gap} | bytes/sample | "
+        lines += [f"**{head}**", "",
+                  f"| variant | seeds | {unit} (own) | range over seeds | {gap} | bytes/sample | "
                   "fewer bytes than fp32 AllReduce | after the first epoch |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in rows:
             fmt = ".3f" if task == "digits" else ".4f"
-            lines.append(f"| {r['label']} | {r['averaged']:{fmt}} ({r['own']:{fmt}}) | "
+            lines.append(f"| {r['label']} | {', '.join(map(str, r['seeds']))} | "
+                         f"{r['averaged']:{fmt}} ({r['own']:{fmt}}) | "
                          f"{r['range'][0]:{fmt}}-{r['range'][1]:{fmt}} | "
                          f"{'' if r['gap'] is None else format(r['gap'], '+.2f')} | "
                          f"{r['bytes_per_sample']:,.0f} | {r['less_than_allreduce']:.1f}x | "
