@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hvd_sgp.common import options
-from hvd_sgp.common.errors import OptionError
+from hvd_sgp.common.errors import OptionError, SgpValueError
 from hvd_sgp.common.outer import OuterLoop
 from hvd_sgp.common.mixers import build
 from hvd_sgp.common.outer_steps import MomentumStep, parse
@@ -73,6 +73,13 @@ def test_presets_and_the_options_table():
     assert launch.sgp_environment(args)["HVD_SGP_OUTER_OPTIMIZER"] == "nesterov:0.5:0.8"
     with pytest.raises(SystemExit):  # argparse names the flag and the problem
         launch.parse_args(["-np", "2", "--outer-optimizer", "adam", "python"])
+    args = launch.parse_args(["-np", "2", "--outer-fragments", "4", "python"])
+    assert launch.sgp_environment(args)["HVD_SGP_OUTER_FRAGMENTS"] == "4"
+    with pytest.raises(OptionError, match="outer_fragments"):
+        options.resolve(outer_fragments=0)
+    with pytest.raises(SgpValueError, match="outer_fragments=9 needs"):
+        OuterLoop(8, outer_optimizer="diloco", fragments=9)
+    assert OuterLoop(8, fragments=4).offsets == [0, 2, 4, 6]
 
 
 def test_nesterov_is_torchs_sgd():
