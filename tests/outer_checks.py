@@ -3,8 +3,9 @@
 outer_optimizer='diloco' with local_steps=8 over both averaging paths: exact AllReduce (every
 rank holds one model after each sync, and only then) and one PushSum round (bytes only at
 syncs, the weights still sum to n); both train. A torch optimizer factory computes what the
-numpy preset computes; 'sgd:1' is plain Local SGD; the outer state resumes exactly from a
-checkpoint; bad input fails at construction naming the rank.
+numpy preset computes; 'sgd:1' is plain Local SGD; streaming fragments send 1/P of the model
+at the busiest step; the outer state resumes exactly from a checkpoint; bad input fails at
+construction naming the rank.
 """
 import copy
 
@@ -27,9 +28,10 @@ def flat(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def mlp(seed: int) -> torch.nn.Module:
+def mlp(seed: int, hidden: int = 16) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    return torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.Tanh(),
+                               torch.nn.Linear(hidden, 1))
 
 
 def target(x: torch.Tensor) -> torch.Tensor:
@@ -50,9 +52,9 @@ def step(opt, model, gen) -> None:
     opt.step()
 
 
-def run(steps: int, seed: int = 0, inner=None, **sgp):
+def run(steps: int, seed: int = 0, inner=None, hidden: int = 16, **sgp):
     """Train ``steps`` from a common start; per step: (all ranks equal, bytes so far, weight)."""
-    model = mlp(7)
+    model = mlp(7, hidden)
     opt = hvd.DistributedOptimizer((inner or (lambda p: torch.optim.SGD(p, lr=0.1)))(
         model.parameters()), **sgp)
     gen = torch.Generator().manual_seed(100 * seed + me)
@@ -74,14 +76,18 @@ def check_bad_input():
     for bad in ("adam", "nesterov:0.7", "sgd:0", "heavyball:1:1.5", 3):
         expect_error(OptionError, wrap(outer_optimizer=bad), rank=me)
     expect_error(SgpValueError, wrap(outer_optimizer="diloco", slowmo=0.5), rank=me)
+    expect_error(OptionError, wrap(outer_fragments=0), rank=me)
+    expect_error(SgpValueError, wrap(local_steps=H, outer_fragments=2 * H), rank=me)
+    expect_error(SgpValueError, wrap(local_steps=H, outer_fragments=2, slowmo=0.5), rank=me)
     model = mlp(0)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    outer_optimizer=lambda params: "not an optimizer")
     gen = torch.Generator().manual_seed(0)
     step(opt, model, gen)  # the first sync records the anchor
     expect_error(SgpValueError, lambda: step(opt, model, gen), rank=me)
-    return ("unknown specs, bad LR/MOMENTUM, slowmo with outer_optimizer, a factory that "
-            "returns no optimizer: errors naming the rank")
+    return ("unknown specs, bad LR/MOMENTUM, slowmo with outer_optimizer, outer_fragments "
+            "< 1 or > local_steps or with slowmo, a factory that returns no optimizer: errors "
+            "naming the rank")
 
 
 @checks
@@ -143,6 +149,39 @@ def check_factory_equals_preset():
     return f"torch factory == 'diloco', 'sgd:1' == Local SGD: {diffs}"
 
 
+def small_steps(params) -> torch.optim.Optimizer:
+    """The wide model's inner optimizer (lr 0.1 diverges with 256 tanh units)."""
+    return torch.optim.SGD(params, lr=0.01)
+
+
+@checks
+def check_streaming_fragments():
+    """outer_fragments=P: fragment p gossips (or is averaged exactly) at the steps congruent
+    to p*H//P modulo H; the busiest step sends 1/P of the model (the transport's count) and
+    the run's total stays that of whole-model syncs every H steps; both modes train."""
+    before, peaks, totals, lines = loss_of(mlp(7, 256)), {}, {}, []
+    for fragments in (1, 2, 4):
+        model, _, trace = run(4 * H, mode="sgp", local_steps=H, outer_optimizer="nesterov:0.5:0.8",
+                              outer_fragments=fragments, hidden=256, inner=small_steps)
+        sent = np.diff([0] + [b for _, b, _ in trace])
+        offsets = {p * H // fragments for p in range(fragments)}
+        assert n == 1 or [k for k, b in enumerate(sent, 1) if b > 0] == [
+            k for k in range(1, 4 * H + 1) if k % H in offsets], sent
+        peaks[fragments], totals[fragments] = int(sent.max()), int(sent.sum())
+        after = loss_of(model)
+        assert after < 0.5 * before, (fragments, before, after)
+        lines.append(f"P={fragments}: peak {peaks[fragments]} B/step, loss {after:.3f}")
+    for fragments in (2, 4):
+        assert n == 1 or peaks[1] / peaks[fragments] > 0.99 * fragments, peaks
+        assert abs(totals[fragments] / max(totals[1], 1) - 1) < 0.01, totals
+    model, _, trace = run(4 * H, mode="allreduce", local_steps=H, outer_fragments=4,
+                          outer_optimizer="nesterov:0.5:0.8", hidden=256, inner=small_steps)
+    after = loss_of(model)
+    assert after < 0.5 * before and not any(same for same, _, _ in trace[H:]), after
+    return (f"streaming fragments over gossip, H={H}, loss from {before:.3f}: "
+            + "; ".join(lines) + f"; over AllReduce P=4: loss {after:.3f}")
+
+
 def snapshot_resume(**sgp) -> float:
     """Train, snapshot, train on; restore the snapshot and train the same again: the largest
     difference between the two endings."""
@@ -176,7 +215,9 @@ def check_outer_state_resumes_exactly():
         ("diloco gossip int8", dict(local_steps=H, outer_optimizer="diloco",
                                     compression=hvd.Compression.int8)),
         ("torch AdamW factory", dict(local_steps=H, outer_optimizer=lambda p:
-                                     torch.optim.AdamW(p, lr=0.1))))}
+                                     torch.optim.AdamW(p, lr=0.1))),
+        ("diloco gossip 4 fragments", dict(local_steps=H, outer_optimizer="diloco",
+                                           outer_fragments=4)))}
     assert max(diffs.values()) < 1e-6, diffs
     return f"the outer state resumes exactly from a checkpoint: {diffs}"
 

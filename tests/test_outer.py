@@ -5,7 +5,8 @@ random directed graphs: the outer step over gossip leaves every PushSum weight a
 sum to n), gossip rounds between outer steps conserve the numerators, the outer step moves the
 numerators by exactly sum_i w_i (new z_i - z_i), and on a graph whose weights stay 1 the
 network's average follows DiLoCo on the averaged pseudo-gradient exactly. On real MPI
-(outer_checks.py, 4 ranks): DiLoCo over AllReduce and over gossip, factories, resume.
+(outer_checks.py, 4 ranks): DiLoCo over AllReduce and over gossip, factories, resume;
+(keras_outer_checks.py, 2 ranks) a Keras optimizer as the outer step, under Keras 3 and tf_keras.
 """
 import numpy as np
 import pytest
@@ -13,12 +14,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hvd_sgp.common import options
-from hvd_sgp.common.errors import OptionError
+from hvd_sgp.common.errors import OptionError, SgpValueError
 from hvd_sgp.common.outer import OuterLoop
+from hvd_sgp.common.mixers import build
 from hvd_sgp.common.outer_steps import MomentumStep, parse
+from hvd_sgp.common.pushsum import exchange
 from hvd_sgp.common.topology import ExponentialGraph
 from hvd_sgp.runner import launch
 from hvd_sgp.sim import SimNetwork
+from hvd_sgp.sim.network import Mailbox, SimTransport
 from mpi_launch import run_mpi
 from test_properties import graphs
 
@@ -40,6 +44,19 @@ def test_two_rank_nodes():
     assert "all outer checks passed on 4 ranks" in out
 
 
+@pytest.mark.parametrize("legacy", ["0", "1"])
+def test_keras_outer_optimizer(legacy):
+    """A Keras optimizer (Keras 3, or tf_keras) as the outer step, on 2 ranks."""
+    pytest.importorskip("tensorflow")
+    if legacy == "1":
+        pytest.importorskip("tf_keras")
+    out = run_mpi(2, "keras_outer_checks.py", env={"TF_USE_LEGACY_KERAS": legacy},
+                  timeout=600).stdout
+    print(out)
+    assert "all keras outer checks passed on 2 ranks" in out
+    assert ("tf_keras SGD" if legacy == "1" else "keras SGD") in out
+
+
 def test_presets_and_the_options_table():
     diloco = parse("diloco")
     assert (diloco.lr, diloco.momentum, diloco.nesterov) == (0.7, 0.9, True)
@@ -56,6 +73,13 @@ def test_presets_and_the_options_table():
     assert launch.sgp_environment(args)["HVD_SGP_OUTER_OPTIMIZER"] == "nesterov:0.5:0.8"
     with pytest.raises(SystemExit):  # argparse names the flag and the problem
         launch.parse_args(["-np", "2", "--outer-optimizer", "adam", "python"])
+    args = launch.parse_args(["-np", "2", "--outer-fragments", "4", "python"])
+    assert launch.sgp_environment(args)["HVD_SGP_OUTER_FRAGMENTS"] == "4"
+    with pytest.raises(OptionError, match="outer_fragments"):
+        options.resolve(outer_fragments=0)
+    with pytest.raises(SgpValueError, match="outer_fragments=9 needs"):
+        OuterLoop(8, outer_optimizer="diloco", fragments=9)
+    assert OuterLoop(8, fragments=4).offsets == [0, 2, 4, 6]
 
 
 def test_nesterov_is_torchs_sgd():
@@ -149,3 +173,87 @@ def test_on_weights_that_stay_one_the_average_follows_diloco(n, spec, rounds, lo
         reference.apply(anchor, [anchor[0] - average], 0.1)
         progress.append(np.abs(net.params.mean(axis=0) - anchor[0]).max())
     assert max(progress) < 1e-9, progress
+
+
+def streamed(graph, spec: str, fragments: int, period: int, steps: int, seed: int,
+             codec: str = "none", dim: int = 11):
+    """Streaming gossip DiLoCo on simulated nodes: per step a random local step on every
+    node, then the due fragment's PushSum round (its own buffer and weight per node) and its
+    outer step. Yields per step (due fragments, per-fragment weights and masses before the
+    round, after it, after the outer step, bytes the step sent, models after the round)."""
+    rng = np.random.default_rng(seed)
+    n = graph.n
+    mailbox = Mailbox(0, seed)
+    buffers = [np.append(1 + rng.normal(size=dim), 1.0) for _ in range(n)]
+    loops = [OuterLoop(period, outer_optimizer=spec, fragments=fragments) for _ in range(n)]
+    mixers = [[build(piece, graph, SimTransport(mailbox, i, n), codec=codec)
+               for piece in loops[i].gossip_buffers([buffers[i]])] for i in range(n)]
+
+    def masses():
+        """Per fragment: (sum of weights, sum of weight x model slice) over the nodes."""
+        out = []
+        for k, (_, _, start, stop) in enumerate(loops[0]._layout):
+            w = [loops[i]._pieces[k][-1] if mixers[i][k].track_weight else 1.0
+                 for i in range(n)]
+            out.append((sum(w), sum(wi * buffers[i][start:stop] for i, wi in enumerate(w))))
+        return out
+
+    for step in range(1, steps + 1):
+        for buf in buffers:
+            buf[:-1] -= 0.1 * rng.normal(size=dim)
+        sent = sum(m.transport.stats.bytes_sent for row in mixers for m in row)
+        chosen = [loops[i].gossiping(mixers[i], step, [buffers[i]]) for i in range(n)]
+        before = masses()
+        exchange([m for row in chosen for m in row])
+        for i in range(n):  # the round's mix, before the outer step writes it
+            for k, (p, _, start, stop) in enumerate(loops[i]._layout):
+                if p in loops[i].due(step):
+                    buffers[i][start:stop] = loops[i]._pieces[k][:-1]
+        after, mixed = masses(), [b.copy() for b in buffers]
+        for i in range(n):
+            loops[i].update([buffers[i]], 0.1)
+        sent = sum(m.transport.stats.bytes_sent for row in mixers for m in row) - sent
+        yield loops[0].due(step), before, after, masses(), sent, mixed, buffers
+
+
+@settings(max_examples=25, deadline=None)
+@given(graph=graphs(), spec=st.sampled_from(SPECS), fragments=st.integers(1, 4),
+       extra=st.integers(0, 4), seed=st.integers(0, 2**16),
+       codec=st.sampled_from(["none", "int8", "int2"]))
+def test_streamed_fragments_conserve_mass_and_send_one_fragment_a_step(
+        graph, spec, fragments, extra, seed, codec):
+    period = fragments + extra
+    syncs = {p: 0 for p in range(fragments)}
+    sizes = []
+    for due, before, after, outer, sent, mixed, models in streamed(
+            graph, spec, fragments, period, 3 * period, seed, codec):
+        assert len(due) <= 1  # at most one fragment a step (offsets p*H//P are distinct)
+        for p in due:
+            syncs[p] += 1
+        for p, ((w0, m0), (w1, m1), (w2, m2)) in enumerate(zip(before, after, outer)):
+            assert w0 == pytest.approx(graph.n, abs=1e-12) and w2 == w1 == pytest.approx(
+                w0, abs=1e-12)
+            if codec == "none":  # compressed PushSum keeps mass in its public copies
+                assert np.allclose(m1, m0, rtol=1e-12, atol=1e-12)
+            if p not in due:
+                assert np.allclose(m1, m0, rtol=0, atol=0)
+        if not due:
+            assert sent == 0
+        else:
+            sizes.append(sent)
+        if spec == "sgd:1":  # the identity outer step leaves each fragment's mix
+            assert all(np.allclose(m, x, rtol=0, atol=1e-12) for m, x in zip(mixed, models))
+    assert set(syncs.values()) == {3}  # every fragment syncs once every H steps
+
+
+def test_peak_bytes_fall_p_fold_in_the_simulator():
+    """The transport's count: the busiest step sends 1/P of the model, and the run's total
+    stays that of syncing the whole model every H steps (plus a weight slot a fragment)."""
+    peaks, totals = {}, {}
+    for fragments in (1, 2, 4, 8):
+        sent = [s for *_, s, _, _ in streamed(ExponentialGraph(8), "diloco", fragments, 8, 16,
+                                              0, dim=4000)]
+        peaks[fragments], totals[fragments] = max(sent), sum(sent)
+    for fragments in (2, 4, 8):
+        assert peaks[1] / peaks[fragments] > 0.99 * fragments, peaks
+        assert totals[fragments] == pytest.approx(totals[1], rel=0.01), totals

@@ -78,7 +78,8 @@ class GossipEngine:
         self.progress = None
         self.elastic = telemetry.ElasticConsistency()
         self.outer = OuterLoop(options.local_steps, options.slowmo, options.slowmo_lr,
-                               options.outer_optimizer)
+                               options.outer_optimizer, options.outer_fragments)
+        self.outer.average = lambda buf, w: exact_average(buf, self.cross, self.local, w)
         self.epoch = 0
         # self.steps, set above: exchanges, the graph's iteration, equal on every rank
         self.calls = 0  # end_step calls: the user's loop position (see Repair.world_changed)
@@ -189,9 +190,8 @@ class GossipEngine:
                              consensus_step=self.options.consensus_step,
                              error_feedback=self.options.error_feedback,
                              in_place=True)  # the buffers are written after begin_step
-                       for buf in self.buffers]
-        for mixer in self.mixers:
-            mixer.iteration = self.outer.rounds(self.steps)
+                       for buf in self.outer.gossip_buffers(self.buffers)]
+        self.outer.set_rounds(self.mixers, self.steps)
         if was_tracking and not self.tracks_weight:
             self._average_parameters()  # the new stage assumes weight 1: fold it in exactly
 
@@ -299,7 +299,7 @@ class GossipEngine:
                 NodeShard(buf, self.local).gather()
         self.join.resync()  # where ranks of a group served the last step
         self.steps += 1
-        mixers = self.mixers if self.outer.exchanges(self.steps) else []
+        mixers = self.outer.gossiping(self.mixers, self.steps, self.buffers)
         if self.timeline is not None:
             self.timeline.step_boundary(self.steps)
             with self.timeline.span("send/receive", step=self.steps, mode=mode):
@@ -346,7 +346,8 @@ class GossipEngine:
 
     def _average_parameters(self) -> None:
         drain(self.mixers)
-        self.fold([m.entry_weights() for m in self.mixers])
+        if not self.outer.fold(self.buffers, self.mixers):  # (fragments: each by its weight)
+            self.fold([m.entry_weights() for m in self.mixers])
         for mixer in self.mixers:
             mixer.reset_weights()
 

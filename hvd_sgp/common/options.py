@@ -117,8 +117,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("outer_optimizer", str, None, "outer step on the pseudo-gradient (model at the last "
            "sync minus the averaged model) every local_steps steps, averaged exactly "
            "(mode=allreduce, DiLoCo) or by one PushSum round (mode=sgp): diloco, "
-           "nesterov:LR:MU, heavyball:LR:MU, sgd:LR (torch: also an optimizer factory)",
+           "nesterov:LR:MU, heavyball:LR:MU, sgd:LR (torch: also an optimizer factory; Keras: an "
+           "optimizer or a factory)",
            objects=outer_steps.OuterStep, check=outer_steps.parse, metavar="SPEC"),
+    Option("outer_fragments", int, 1, "streaming outer steps: the model in this many fragments, "
+           "fragment p syncing at the steps congruent to p*local_steps//P modulo local_steps "
+           "(peak bytes per step fall P-fold); at most local_steps", minimum=1),
     Option("metrics", str, None, "append consensus metrics as JSON lines to this file",
            agree="presence", metavar="PATH"),
     Option("metrics_every", int, 10, "steps between metrics records", minimum=1),

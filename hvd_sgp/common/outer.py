@@ -16,20 +16,34 @@ exchanged in between.
 is the preset ``heavyball:alpha:beta`` scaled by the inner lr (outer_steps.MomentumStep),
 with SGP gossiping every step and an exact average before each outer step.
 
+``outer_fragments = P`` (Streaming DiLoCo, arXiv 2501.18512): the parameters of every buffer
+are cut into P contiguous fragments, and fragment p syncs (one PushSum round, or an exact
+average) and takes its outer step at the steps congruent to p*H//P modulo H, so each step
+sends at most one fragment: peak bytes per step fall P-fold while each fragment still syncs
+every H steps. Over gossip every fragment is a PushSum buffer of its own, with its own weight
+(copied in from the model before its round and back after it), so each fragment's mass is
+conserved exactly, as the whole buffer's is; each fragment has its own outer-step state.
+
 The first sync only records x0, since ranks may not start from one model. x0 and the outer
 step's state (momentum) are part of the optimizer's checkpointed state; a repair (a lost
 rank) starts them afresh, since the fold replaces every model by the survivors' average.
-Framework-free: it works on the engine's flat buffers.
+Fragments' PushSum weights start again at 1 after a restore or a repair (exact where the graph
+keeps weights at 1, as the default exponential graph does). Framework-free: it works on the
+engine's flat buffers.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+import copy
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
 from hvd_sgp.common.choco import host_view
 from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.common.outer_steps import MomentumStep, OuterStep, parse
+from hvd_sgp.common.pushsum import allocate
+
+Average = Callable[[np.ndarray, Optional[np.ndarray]], None]  # exact_average(buf, weights)
 
 
 class OuterLoop:
@@ -37,9 +51,17 @@ class OuterLoop:
 
     def __init__(self, local_steps: int = 1, slowmo: Optional[float] = None,
                  slowmo_lr: float = 1.0,
-                 outer_optimizer: Union[str, OuterStep, None] = None):
+                 outer_optimizer: Union[str, OuterStep, None] = None, fragments: int = 1):
         if local_steps < 1:
             raise SgpValueError(f"local_steps must be >= 1, got {local_steps}")
+        if not 1 <= fragments <= local_steps:
+            raise SgpValueError(f"outer_fragments={fragments} needs 1 <= outer_fragments <= "
+                                f"local_steps (= {local_steps}): each fragment syncs at its "
+                                "own step of every local_steps")
+        if fragments > 1 and slowmo is not None:
+            raise SgpValueError("outer_fragments > 1 streams the outer step of outer_optimizer; "
+                                "SlowMo gossips every step: use outer_optimizer='heavyball:"
+                                "LR:MU' instead of slowmo")
         if slowmo is not None and outer_optimizer is not None:
             raise SgpValueError("slowmo and outer_optimizer both name an outer step; SlowMo is "
                                 f"outer_optimizer='heavyball:{slowmo_lr:g}:{slowmo:g}' with "
@@ -50,26 +72,104 @@ class OuterLoop:
             MomentumStep(slowmo_lr, slowmo, scaled=True) if slowmo is not None
             else parse(outer_optimizer) if isinstance(outer_optimizer, str) else outer_optimizer)
         self.anchor: Optional[list[np.ndarray]] = None
+        self.fragments = int(fragments)
+        if self.fragments > 1:
+            self.step = self.step or parse("sgd:1")  # plain streaming Local SGD
+            self.steps = [self.step] + [copy.deepcopy(self.step)
+                                        for _ in range(self.fragments - 1)]
+        self.offsets = [p * self.period // self.fragments for p in range(self.fragments)]
+        self.average: Optional[Average] = None  # the engine's exact average of one buffer
+        self._layout: list[tuple[int, int, int, int]] = []  # (fragment, buffer, start, stop)
+        self._pieces: list[np.ndarray] = []  # a PushSum buffer per layout entry
+        self._views: Optional[list[list[np.ndarray]]] = None  # each fragment's anchor slices
+        self._started: set[int] = set()  # fragments whose anchor is recorded
+        self._sizes: list[int] = []  # the buffers' parameter counts the layout was cut for
+        self._due: list[int] = []  # the fragments due at the step being ended
+        self._gossiped = False  # they went through gossip mixers (else: an exact average)
 
     def exchanges(self, step: int) -> bool:
         """Whether step number ``step`` (counted from 1) ends with the stage's exchange."""
+        if self.fragments > 1:
+            return bool(self.due(step))
         return self.gossips_between or step % self.period == 0
 
-    def rounds(self, steps: int) -> int:
-        """Exchanges in the first ``steps`` steps (a mixer's iteration number)."""
-        return steps if self.gossips_between else steps // self.period
+    def due(self, step: int) -> list[int]:
+        """The fragments that sync at step ``step``: those whose offset is ``step`` mod H."""
+        return [p for p, offset in enumerate(self.offsets) if step % self.period == offset]
+
+    def gossip_buffers(self, buffers: Sequence) -> list:
+        """What the stage's mixers gossip: the buffers themselves, or with fragments one
+        PushSum buffer per (fragment, buffer), kept across stages (their weights with them)."""
+        if self.fragments == 1:
+            return list(buffers)
+        self._cut(buffers)
+        return list(self._pieces)
+
+    def _cut(self, buffers: Sequence) -> None:
+        """The fragments' layout and PushSum buffers (once per set of buffers)."""
+        sizes = [len(host_view(b)) - 1 for b in buffers]
+        if sizes == self._sizes:
+            return
+        self._sizes = sizes
+        self._layout = [(p, i, int(edges[p]), int(edges[p + 1]))
+                        for p in range(self.fragments) for i, size in enumerate(sizes)
+                        for edges in [np.linspace(0, size, self.fragments + 1).round()]]
+        self._pieces = [allocate(stop - start, host_view(buffers[i]).dtype)
+                        for _, i, start, stop in self._layout]
+        self._views = None
+
+    def gossiping(self, mixers: Sequence, step: int, buffers: Sequence) -> list:
+        """The mixers that exchange at step ``step``; with fragments, the due fragments'
+        mixers, their buffers loaded from the model (their weights stay theirs)."""
+        if self.fragments == 1:
+            return list(mixers) if self.exchanges(step) else []
+        self._due, self._gossiped = self.due(step), bool(mixers)
+        chosen = []
+        for k, (p, i, start, stop) in enumerate(self._layout if mixers else ()):
+            if p in self._due:
+                self._pieces[k][:-1] = host_view(buffers[i])[start:stop]
+                chosen.append(mixers[k])
+        return chosen
+
+    def fold(self, buffers: Sequence, mixers: Sequence) -> bool:
+        """With fragments gossiped, the exact average of every fragment by its own weight
+        (or its mixer's entry weights), into the model; False: the engine folds the buffers."""
+        if self.fragments == 1 or not self._layout or len(mixers) != len(self._layout):
+            return False
+        for k, (_, i, start, stop) in enumerate(self._layout):
+            piece, model = self._pieces[k], host_view(buffers[i])
+            piece[:-1] = model[start:stop]
+            self.average(piece, mixers[k].entry_weights())
+            model[start:stop] = piece[:-1]
+        return True
+
+    def rounds(self, steps: int, fragment: int = 0) -> int:
+        """Exchanges of ``fragment`` in the first ``steps`` steps (its mixers' iteration)."""
+        if self.gossips_between:
+            return steps
+        offset = self.offsets[fragment]
+        return (steps - offset) // self.period + (offset > 0)
+
+    def set_rounds(self, mixers: Sequence, steps: int) -> None:
+        """Every mixer at its iteration after ``steps`` steps (as on every other rank)."""
+        fragments = [p for p, _, _, _ in self._layout] if self.fragments > 1 else []
+        for k, mixer in enumerate(mixers):
+            mixer.iteration = self.rounds(steps, fragments[k] if fragments else 0)
 
     def averages_gradients(self, mode: str) -> bool:
         """AllReduce SGD proper: every step's gradients averaged over the world."""
         return mode == "allreduce" and self.period == 1
 
     def synchronizes(self, step: int, mode: str) -> bool:
-        """Whether step ``step`` ends with an exact average of the model."""
+        """Whether step ``step`` ends with an exact average of the whole model (fragments
+        average theirs in ``update``)."""
         exact = self.gossips_between or (mode == "allreduce" and self.period > 1)
-        return exact and step % self.period == 0
+        return exact and self.fragments == 1 and step % self.period == 0
 
     def steps_outer(self, step: int) -> bool:
         """Whether step ``step`` ends with the outer step (after its average or gossip)."""
+        if self.fragments > 1:
+            return bool(self.due(step))
         return self.step is not None and step % self.period == 0
 
     def update(self, buffers: Sequence, lr: float) -> None:
@@ -77,6 +177,9 @@ class OuterLoop:
         if self.step is None:
             return
         models = [host_view(b)[:-1] for b in buffers]
+        if self.fragments > 1:
+            self._update_fragments(buffers, models, lr)
+            return
         if self.anchor is None:
             self.anchor = [m.copy() for m in models]
             return
@@ -84,9 +187,41 @@ class OuterLoop:
         for x, x0 in zip(models, self.anchor):
             x[...] = x0
 
+    def _update_fragments(self, buffers: Sequence, models: list[np.ndarray], lr: float) -> None:
+        """The due fragments: their mix (or exact average) into the model, then each one's
+        outer step on its slices (a fragment's first sync records its anchor)."""
+        self._cut(buffers)
+        for k, (p, i, start, stop) in enumerate(self._layout):
+            if p not in self._due:
+                continue
+            piece, model = self._pieces[k], models[i]
+            if not self._gossiped:  # mode='allreduce': this fragment's exact average
+                piece[:-1], piece[-1] = model[start:stop], 1
+                self.average(piece, None)
+            model[start:stop] = piece[:-1]
+        if self.anchor is None:
+            self.anchor, self._views = [m.copy() for m in models], None
+        if self._views is None:  # fixed views: a framework's optimizer holds them
+            self._views = [[self.anchor[i][start:stop] for q, i, start, stop in self._layout
+                            if q == p] for p in range(self.fragments)]
+        for p in self._due:
+            xs = [models[i][start:stop] for q, i, start, stop in self._layout if q == p]
+            if p not in self._started:
+                for x, x0 in zip(xs, self._views[p]):
+                    x0[...] = x
+                self._started.add(p)
+                continue
+            self.steps[p].apply(self._views[p], [x0 - x for x, x0 in zip(xs, self._views[p])],
+                                lr)
+            for x, x0 in zip(xs, self._views[p]):
+                x[...] = x0
+
     def state(self) -> Optional[dict]:
         if self.anchor is None:
             return None
+        if self.fragments > 1:
+            return {"anchor": [x0.copy() for x0 in self.anchor], "started": sorted(self._started),
+                    "fragments": [step.state() for step in self.steps]}
         return {"anchor": [x0.copy() for x0 in self.anchor], **self.step.state()}
 
     def load_state(self, state: Optional[dict]) -> None:
@@ -94,4 +229,12 @@ class OuterLoop:
         if self.step is None:
             return
         self.anchor = None if state is None else [np.array(a) for a in state["anchor"]]
+        if self.fragments > 1:
+            self._views = None
+            self._started = set() if state is None else set(state["started"])
+            for k, step in enumerate(self.steps):
+                step.load_state({} if state is None else state["fragments"][k])
+            for piece in self._pieces:  # restarted as the engine's buffers are: weight 1
+                piece[-1] = 1
+            return
         self.step.load_state({} if state is None else state)

@@ -12,7 +12,8 @@ table can name the presets and the simulator runs them:
 
 SlowMo (``slowmo=beta``, ``slowmo_lr=alpha``) is heavy-ball with its pseudo-gradient divided
 by the inner learning rate and its step multiplied by it (``scaled``), as in the paper. A
-framework adapter may add its own kind (torch: any optimizer factory, torch/optimizer.py).
+framework adapter may add its own kind (torch: any optimizer factory, torch/optimizer.py;
+Keras: an optimizer or a factory, tensorflow/outer.py).
 """
 from __future__ import annotations
 

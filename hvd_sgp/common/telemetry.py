@@ -135,6 +135,7 @@ def run_label(options: "SgpOptions", codec_spec: str = "none", feeds_back: bool 
                                      else " no-ef")
     label += f" H={options.local_steps}" if options.local_steps > 1 else ""
     label += f" outer={options.outer_optimizer}" if options.outer_optimizer is not None else ""
+    label += f" fragments={options.outer_fragments}" if options.outer_fragments > 1 else ""
     return label + (f" slowmo={options.slowmo:g}" if options.slowmo is not None else "")
 
 

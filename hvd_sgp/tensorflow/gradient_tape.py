@@ -23,6 +23,7 @@ from hvd_sgp.tensorflow.optimizer import check_groups, local_layer_variables
 from hvd_sgp.tensorflow import compression as compression_module
 from hvd_sgp.tensorflow.compression import Compression
 from hvd_sgp.tensorflow.mpi_ops import Average, global_process_set
+from hvd_sgp.tensorflow.outer import with_keras_outer
 
 
 class _DistributedTapeMixin:
@@ -76,8 +77,8 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",
     if gradient_predivide_factor != 1.0 and op != Average:
         raise SgpValueError("gradient_predivide_factor not supported with op != Average")
     check_groups(num_groups, groups)
-    settings = adapter.settings(op, compression, sgp, gradient_predivide_factor,
-                                tensors=compression_module.TENSORS, process_set=process_set)
+    settings = adapter.settings(op, compression, with_keras_outer(sgp),
+                                gradient_predivide_factor, tensors=compression_module.TENSORS, process_set=process_set)
     cls = type(gradtape)
     if cls not in _CLASSES:
         _CLASSES[cls] = type(cls.__name__, (_DistributedTapeMixin, cls), {})

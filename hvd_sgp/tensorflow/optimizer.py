@@ -40,6 +40,7 @@ from hvd_sgp.tensorflow import compression as compression_module
 from hvd_sgp.tensorflow.compression import Compression
 from hvd_sgp.tensorflow.gossip import VariableGossip
 from hvd_sgp.tensorflow.mpi_ops import Average, global_process_set
+from hvd_sgp.tensorflow.outer import with_keras_outer
 
 
 class _SgpOptimizer(adapter.GossipMethods):
@@ -298,8 +299,9 @@ def DistributedOptimizer(optimizer, name: Optional[str] = None, device_dense: st
     """
     kind = flavour.family(optimizer)
     check_groups(num_groups, groups)
-    config = adapter.settings(op, compression, sgp, gradient_predivide_factor,
-                              backward_passes_per_step, compression_module.TENSORS, process_set)
+    config = adapter.settings(op, compression, with_keras_outer(sgp),
+                              gradient_predivide_factor, backward_passes_per_step,
+                              compression_module.TENSORS, process_set)
     if backward_passes_per_step > 1 and kind != flavour.KERAS3:
         raise SgpValueError("backward_passes_per_step > 1 needs a Keras 3 optimizer (its "
                             "gradient accumulation); tf_keras optimizers take one pass per step")

@@ -29,6 +29,7 @@ from hvd_sgp.tensorflow.mpi_ops import (Adasum, Average, Max, Min, Product, Proc
                                         start_timeline, stop_timeline)
 from hvd_sgp.common import adapter
 from hvd_sgp.tensorflow.flavour import keras
+from hvd_sgp.tensorflow.outer import with_keras_outer
 from hvd_sgp.tensorflow.optimizer import (DistributedOptimizer, PartialDistributedOptimizer,
                                           convert)
 from hvd_sgp.tensorflow.sync_batch_norm import SyncBatchNormalization
@@ -83,8 +84,9 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
     objects.update(custom_objects or {})
     model = keras.models.load_model(filepath, custom_objects=objects)
     if getattr(model, "optimizer", None) is not None:
-        convert(model.optimizer, adapter.settings(Average, compression, sgp,
-                                                  tensors=compression_module.TENSORS))
+        settings = adapter.settings(Average, compression, with_keras_outer(sgp),
+                                    tensors=compression_module.TENSORS)
+        convert(model.optimizer, settings)
     return model
 
 
