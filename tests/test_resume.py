@@ -6,6 +6,8 @@ an uninterrupted run (parameters, optimizer state, PushSum weight and iteration 
 Horovod's recipe (rank 0 saves; a second launch, or a rebuilt optimizer, loads on rank 0 and
 broadcasts), in every SGP mode and every layout: horovod_resume_checks.py.
 """
+import json
+
 import pytest
 import torch
 
@@ -49,12 +51,21 @@ def test_horovod_rank0_checkpoint_recipe(tmp_path, layout):
 def test_keras_load_model_resume(tmp_path, layout, legacy):
     """keras_imagenet_resnet50.py's resume: epoch 1, rank 0's checkpoint; the second launch
     loads it on rank 0 with hvd.load_model, the others build afresh, fit from initial_epoch
-    with BroadcastGlobalVariablesCallback (whose broadcast the ranks now agree on: rank 0's
-    optimizer is built, the others' are not)."""
+    with BroadcastGlobalVariablesCallback (the others build their optimizers at train begin,
+    so root's saved step count reaches them before the first step). SGP's iteration resumes
+    from the saved optimizer's: a schedule switching at step 12 switches there, in the second
+    epoch, as in the uninterrupted run."""
     local, n = LAYOUTS[layout]
-    env = {"HVD_SGP_LOCAL_SIZE": local, "TF_USE_LEGACY_KERAS": legacy, "HVD_SGP_TIMEOUT": "120"}
-    for phase in ("first", "resume"):
+    env = {"HVD_SGP_LOCAL_SIZE": local, "TF_USE_LEGACY_KERAS": legacy, "HVD_SGP_TIMEOUT": "120",
+           "HVD_SGP_SCHEDULE": "0:sgp,12s:allreduce"}
+    for phase in ("first", "resume", "full"):
         out = run_mpi(n, "keras_resume_checks.py", phase, str(tmp_path), env=env,
                       timeout=600).stdout
         assert f"all keras resume {phase} checks passed on {n} ranks" in out, out
-    assert "resume: resumed from epoch 1, trained 1 epoch(s); optimizer at step 16" in out
+        if phase == "resume":
+            assert ("resume: resumed from epoch 1, trained 1 epoch(s); optimizer at step 16, "
+                    "SGP at iteration 16") in out, out
+    full = json.loads((tmp_path / "full.json").read_text())
+    resumed = json.loads((tmp_path / "resume.json").read_text())
+    assert [tuple(s) for s in resumed] == [tuple(s) for s in full[8:]], (resumed, full)
+    assert [s[2] for s in resumed] == ["sgp"] * 4 + ["allreduce"] * 4, resumed

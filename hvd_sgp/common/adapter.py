@@ -86,6 +86,9 @@ class SgpSession:
         self.signature = list(signature)
         self._engine: Optional[GossipEngine] = None
         self._epoch = 0
+        # the optimizer's own saved step count (Keras: ``iterations``, restored with the
+        # model): an engine that starts afresh starts at this iteration
+        self.resume_at = 0
         _JoinServer.add(self)
 
     @property
@@ -111,6 +114,9 @@ class SgpSession:
                                           self.layout, succeeds=retired)
                 engine.set_epoch(self._epoch)
                 self._engine = engine
+                if retired is None and engine.steps == 0 and self.resume_at:
+                    # checked at the first step, as every adopted position is
+                    engine.checkpoint.adopt({"iteration": self.resume_at})
             except PeerLostError:  # a rank lost before the first step: start on the rest
                 if not recovery.repairs_in_step():
                     raise
@@ -181,7 +187,8 @@ class SgpSession:
     def state(self) -> dict:
         """PushSum weights, iteration and epoch: the checkpoint contract of every framework."""
         if self._engine is None:  # nothing exchanged yet: the state of step 0
-            return {"iteration": 0, "epoch": self._epoch, "weights": [1.0] * len(self.buffers)}
+            return {"iteration": self.resume_at, "epoch": self._epoch,
+                    "weights": [1.0] * len(self.buffers)}
         return self._engine.checkpoint.state()
 
     def load_state(self, state: dict) -> None:

@@ -65,6 +65,17 @@ def built(optimizer) -> bool:
     return len(optimizer_variables(optimizer)) > 1  # legacy: more than its iteration count
 
 
+def build(optimizer, model) -> bool:
+    """Create the optimizer's variables for ``model`` as its first step would (Keras 3 and
+    new tf_keras optimizers); False where it cannot (a model not built yet, a legacy
+    optimizer, which creates them only in its first step)."""
+    variables = list(model.trainable_variables) if getattr(model, "built", False) else []
+    if not variables or not hasattr(optimizer, "build"):
+        return False
+    optimizer.build(variables)
+    return built(optimizer)
+
+
 def is_layer(value) -> bool:
     """A Keras layer of either Keras."""
     return any(package is not None and isinstance(value, package.layers.Layer)

@@ -69,11 +69,19 @@ class _SgpOptimizer(adapter.GossipMethods):
             current = VariableGossip(variables, self._hvd_sgp)
             current.session.own(self)
             current.session.set_epoch(self._hvd_sgp_epoch)
+            current.session.resume_at = self._sgp_saved_steps()
             self._hvd_sgp_gossip = current
         elif [id(v) for v in current.variables] != [id(v) for v in variables]:
             raise SgpValueError("DistributedOptimizer was applied to a different list of "
                                 "variables than at its first step; SGP gossips one fixed list")
         return current
+
+    def _sgp_saved_steps(self) -> int:
+        """The optimizer's count of updates (``iterations``): restored with the model by
+        hvd.load_model, it is where SGP's iteration resumes (read eagerly: this runs while
+        a train step is traced)."""
+        with tf.init_scope():
+            return int(np.asarray(tf.convert_to_tensor(self.iterations)))
 
     def _sgp_slots(self) -> list:
         """The optimizer's floating-point state (slots such as momentum), without its learning

@@ -79,12 +79,20 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None) -> None:
         """Before the first step where every rank's optimizer is built; else after it. The
-        ranks agree (one allreduce): rank 0 resuming from hvd.load_model has a built
-        optimizer, the others' build at their first step."""
+        ranks agree (one allreduce). Where only some are (rank 0 resuming from
+        hvd.load_model), the others build theirs here, so that root's saved step count
+        reaches every rank before the first step, where SGP's iteration starts from it."""
+        if self.broadcast_done:
+            return
         optimizer = getattr(self.model, "optimizer", None)
         built = optimizer is None or flavour.built(optimizer)
-        if not self.broadcast_done and _on_every_rank(built):
+        if _on_every_rank(built):
             self._broadcast()
+        elif not _on_every_rank(not built):  # (two more allreduces, once, when resuming)
+            if not built:
+                built = flavour.build(optimizer, self.model)
+            if _on_every_rank(built):
+                self._broadcast()
 
     def on_epoch_begin(self, epoch, logs=None) -> None:
         optimizer = _distributed(self.model)
