@@ -256,10 +256,10 @@ def test_horovod_style_elastic_scripts():
 HOROVOD_EXAMPLES = os.environ.get("HVD_SGP_HOROVOD_EXAMPLES", "")  # a Horovod checkout
 
 
-def horovod_example(folder: str, name: str) -> str:
-    """The path of Horovod's examples/elastic/<folder>/<name> in HVD_SGP_HOROVOD_EXAMPLES (a
-    checkout, its examples/elastic or the example's own folder); "" when absent."""
-    for path in (os.path.join(HOROVOD_EXAMPLES, "examples", "elastic", folder, name),
+def horovod_example(folder: str, name: str, under: str = "elastic") -> str:
+    """The path of Horovod's examples/<under>/<folder>/<name> in HVD_SGP_HOROVOD_EXAMPLES (a
+    checkout, its examples/<under> or the example's own folder); "" when absent."""
+    for path in (os.path.join(HOROVOD_EXAMPLES, "examples", under, folder, name),
                  os.path.join(HOROVOD_EXAMPLES, folder, name),
                  os.path.join(HOROVOD_EXAMPLES, name)):
         if HOROVOD_EXAMPLES and os.path.isfile(path):
@@ -324,6 +324,91 @@ def test_horovods_own_elastic_examples_unmodified(tmp_path, folder, name, args, 
     assert "rank 2 killed after commit 4" in output
     for line in expected:
         assert line in output, output[-4000:]
+
+
+def tiny_image_folders(root, train: int = 8, val: int = 4, classes: int = 2) -> tuple:
+    """ImageNet's layout (one folder per class) with a few random 32x32 JPEGs, made here:
+    Horovod's imagenet examples read train/ and validation/ folders of images."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, count in (("train", train), ("validation", val)):
+        for i in range(count):
+            folder = root / split / f"n{i % classes:08d}"
+            folder.mkdir(parents=True, exist_ok=True)
+            pixels = rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(folder / f"{i}.jpg")
+    return str(root / "train"), str(root / "validation")
+
+
+@pytest.mark.parametrize("local", ["1", ""], ids=["own-nodes", "one-node"])
+def test_horovods_pytorch_imagenet_example_resumes(tmp_path, local):
+    """Horovod 0.28.1's examples/pytorch/pytorch_imagenet_resnet50.py, unmodified, 2 ranks,
+    on a tiny ImageFolder: launch 1 trains epoch 1 and rank 0 saves checkpoint-1.pth.tar;
+    launch 2 (--epochs 2) resumes with Horovod's recipe (rank 0 loads model and optimizer,
+    broadcast_parameters, broadcast_optimizer_state) and trains epoch 2 only."""
+    import horovod_alias
+    from test_ecosystem import torchvision_python
+
+    script = horovod_example("pytorch", "pytorch_imagenet_resnet50.py", under="")
+    if not script:
+        pytest.skip("HVD_SGP_HOROVOD_EXAMPLES names no Horovod checkout with "
+                    "examples/pytorch/pytorch_imagenet_resnet50.py")
+    python = torchvision_python()
+    missing = subprocess.run([python, "-c", "import tqdm, tensorboard"], capture_output=True,
+                             timeout=120)
+    if missing.returncode != 0:
+        pytest.skip(f"{python} lacks tqdm or tensorboard, which the example imports")
+    train, val = tiny_image_folders(tmp_path)
+    alias = horovod_alias.write(str(tmp_path))
+    env = {"PYTHONPATH": os.pathsep.join([alias, str(REPO), str(HERE)]),
+           "HVD_SGP_LOCAL_SIZE": local}
+    common = ("--train-dir", train, "--val-dir", val, "--batch-size", "2",
+              "--val-batch-size", "2", "--no-cuda")
+    outputs = []
+    for epochs in ("1", "2"):
+        proc = sgprun(2, script, *common, "--epochs", epochs, env=env, timeout=600,
+                      flags=("--no-fault-tolerant",), cwd=str(tmp_path), python=python)
+        outputs.append(expect_passed(proc, ""))
+        assert (tmp_path / f"checkpoint-{epochs}.pth.tar").is_file(), outputs[-1][-3000:]
+    assert "Train Epoch     #1" in outputs[0] and "Train Epoch     #2" not in outputs[0]
+    assert "Train Epoch     #2" in outputs[1], outputs[1][-3000:]
+    assert "Train Epoch     #1" not in outputs[1], outputs[1][-3000:]  # resumed, not redone
+    resumed = subprocess.run(
+        [python, "-c", "import sys, torch; print(torch.load(sys.argv[1], weights_only=False)"
+                       "['optimizer']['hvd_sgp']['iteration'])",
+         str(tmp_path / "checkpoint-2.pth.tar")],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert resumed.stdout.split() == ["4"], resumed.stdout + resumed.stderr  # 2 steps a launch
+
+
+def test_horovods_keras_imagenet_example_resumes(tmp_path):
+    """Horovod 0.28.1's examples/keras/keras_imagenet_resnet50.py is TensorFlow 1 code
+    (tf.ConfigProto, tf.Session, K.set_session, fit_generator): it runs only where this
+    TensorFlow has them. The same recipe in TensorFlow 2: test_resume.py's Keras tests."""
+    import tensorflow as tf
+
+    script = horovod_example("keras", "keras_imagenet_resnet50.py", under="")
+    if not script:
+        pytest.skip("HVD_SGP_HOROVOD_EXAMPLES names no Horovod checkout with "
+                    "examples/keras/keras_imagenet_resnet50.py")
+    if not hasattr(tf, "ConfigProto"):
+        pytest.skip(f"keras_imagenet_resnet50.py needs TensorFlow 1.x (tf.ConfigProto, "
+                    f"tf.Session); this is TensorFlow {tf.__version__}")
+    import horovod_alias
+
+    train, val = tiny_image_folders(tmp_path)
+    alias = horovod_alias.write(str(tmp_path))
+    env = {"PYTHONPATH": os.pathsep.join([alias, str(REPO), str(HERE)])}
+    common = ("--train-dir", train, "--val-dir", val, "--batch-size", "2",
+              "--val-batch-size", "2")
+    for epochs in ("1", "2"):
+        proc = sgprun(2, script, *common, "--epochs", epochs, env=env, timeout=600,
+                      flags=("--no-fault-tolerant",), cwd=str(tmp_path))
+        output = expect_passed(proc, "Test loss:")
+        assert (tmp_path / f"checkpoint-{epochs}.h5").is_file(), output[-3000:]
+    assert "Epoch 2/2" in output and "Epoch 1/2" not in output, output[-3000:]
 
 
 # ------------------------------------------------------------------ no MPI
