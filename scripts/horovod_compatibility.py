@@ -323,8 +323,14 @@ CHECKPOINTS = [
     "`BroadcastGlobalVariablesCallback(0)`, as Horovod's `keras_imagenet_resnet50.py` "
     "(Keras 3 and tf_keras): the callback broadcasts rank 0's model and optimizer variables "
     "(the step count with them) before the first step where every rank's optimizer is built, "
-    "else after it, the ranks agreeing which; the SGP state starts afresh at iteration 0 on "
-    "every rank.", "",
+    "else after it, the ranks agreeing which; where only rank 0's is built (it resumes), the "
+    "others build theirs at train begin, so the broadcast comes first. The SGP iteration "
+    "starts at the optimizer's step count (`iterations`, saved with the model): a resumed "
+    "`fit` follows the schedule (and a time-varying graph) as the uninterrupted one; the "
+    "per-rank SGP state starts afresh. Horovod's own `pytorch_imagenet_resnet50.py` resumes "
+    "unmodified (tests/test_elastic.py, given a Horovod checkout); its "
+    "`keras_imagenet_resnet50.py` is TensorFlow 1 code (`tf.ConfigProto`, `tf.Session`) and "
+    "does not run on TensorFlow 2.", "",
 ]
 
 
