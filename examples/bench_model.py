@@ -8,8 +8,11 @@ compute time (a GPU's share of the step, which leaves the CPU to the network).
 """
 from __future__ import annotations
 
+import gc
+import os
 import resource
 import time
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -133,3 +136,16 @@ def tx_bytes(interface: str) -> int:
     """Bytes sent on ``interface`` (inside a virtual-cluster host: its shaped veth)."""
     with open(f"/sys/class/net/{interface}/statistics/tx_bytes") as f:
         return int(f.read())
+
+
+def one_process_runs(keys: Iterable[str], kept: tuple,
+                     environment: Callable[[str], dict]) -> Iterator[str]:
+    """Several benchmark runs in one launch (start-up is slow): each sees only its own
+    HVD_SGP_ variables (``kept`` stay), and the previous run's optimizer and its engine are
+    collected before the next starts."""
+    for key in keys:
+        for name in [v for v in os.environ if v.startswith("HVD_SGP_") and v not in kept]:
+            del os.environ[name]
+        os.environ.update(environment(key))
+        yield key
+        gc.collect()

@@ -120,8 +120,6 @@ def train(args, hvd, bench_model) -> dict:
 
 
 def worker(args) -> None:
-    import gc
-
     import torch
 
     import hvd_sgp.torch as hvd  # a Horovod script: only this import differs
@@ -130,13 +128,8 @@ def worker(args) -> None:
 
     hvd.init()
     torch.set_num_threads(1)
-    results = []
-    for key in args.runs:
-        for name in [v for v in os.environ if v.startswith("HVD_SGP_") and v not in KEPT]:
-            del os.environ[name]
-        os.environ.update(variables(key, Path(args.out)))
-        results.append(train(args, hvd, bench_model))
-        gc.collect()  # the previous optimizer's engine closes before the next starts
+    results = [train(args, hvd, bench_model) for _ in bench_model.one_process_runs(
+        args.runs, KEPT, lambda key: variables(key, Path(args.out)))]
     Path(args.out, f"rank{hvd.rank()}.json").write_text(json.dumps(results))
 
 

@@ -156,20 +156,16 @@ def train(task: str, args, hvd) -> dict:
 
 
 def worker(args) -> None:
-    import gc
-
     import torch
 
     import hvd_sgp.torch as hvd
+    sys.path.insert(0, str(HERE))
+    import bench_model
+
     hvd.init()
     torch.set_num_threads(1)
-    results = []
-    for key in args.runs:
-        for name in [v for v in os.environ if v.startswith("HVD_SGP_") and v not in KEPT]:
-            del os.environ[name]
-        os.environ.update({f"HVD_SGP_{k}": v for k, v in VARIANTS[key][1].items()})
-        results.append(train(args.task, args, hvd))
-        gc.collect()  # the previous optimizer's engine closes before the next starts
+    results = [train(args.task, args, hvd) for _ in bench_model.one_process_runs(
+        args.runs, KEPT, lambda key: {f"HVD_SGP_{k}": v for k, v in VARIANTS[key][1].items()})]
     Path(args.out, f"rank{hvd.rank()}.json").write_text(json.dumps(results))
 
 
