@@ -349,11 +349,17 @@ def test_horovods_pytorch_imagenet_example_resumes(tmp_path, local):
     launch 2 (--epochs 2) resumes with Horovod's recipe (rank 0 loads model and optimizer,
     broadcast_parameters, broadcast_optimizer_state) and trains epoch 2 only."""
     import horovod_alias
+    from test_ecosystem import torchvision_python
 
     script = horovod_example("pytorch", "pytorch_imagenet_resnet50.py", under="")
     if not script:
         pytest.skip("HVD_SGP_HOROVOD_EXAMPLES names no Horovod checkout with "
                     "examples/pytorch/pytorch_imagenet_resnet50.py")
+    python = torchvision_python()
+    missing = subprocess.run([python, "-c", "import tqdm, tensorboard"], capture_output=True,
+                             timeout=120)
+    if missing.returncode != 0:
+        pytest.skip(f"{python} lacks tqdm or tensorboard, which the example imports")
     train, val = tiny_image_folders(tmp_path)
     alias = horovod_alias.write(str(tmp_path))
     env = {"PYTHONPATH": os.pathsep.join([alias, str(REPO), str(HERE)]),
@@ -363,14 +369,14 @@ def test_horovods_pytorch_imagenet_example_resumes(tmp_path, local):
     outputs = []
     for epochs in ("1", "2"):
         proc = sgprun(2, script, *common, "--epochs", epochs, env=env, timeout=600,
-                      flags=("--no-fault-tolerant",), cwd=str(tmp_path))
+                      flags=("--no-fault-tolerant",), cwd=str(tmp_path), python=python)
         outputs.append(expect_passed(proc, ""))
         assert (tmp_path / f"checkpoint-{epochs}.pth.tar").is_file(), outputs[-1][-3000:]
     assert "Train Epoch     #1" in outputs[0] and "Train Epoch     #2" not in outputs[0]
     assert "Train Epoch     #2" in outputs[1], outputs[1][-3000:]
     assert "Train Epoch     #1" not in outputs[1], outputs[1][-3000:]  # resumed, not redone
     resumed = subprocess.run(
-        [sys.executable, "-c", "import sys, torch; print(torch.load(sys.argv[1], weights_only=False)"
+        [python, "-c", "import sys, torch; print(torch.load(sys.argv[1], weights_only=False)"
                        "['optimizer']['hvd_sgp']['iteration'])",
          str(tmp_path / "checkpoint-2.pth.tar")],
         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
