@@ -1,9 +1,11 @@
 """A training job where rank 3 stops (SIGSTOP) or leaves its loop early at step 5, just before
-one place where the others wait on it; run by test_stall.py.
+one place where the others wait on it; or where rank 0 alone loads its checkpoint of step 2 at
+step 5 (no broadcasts); run by test_stall.py.
 
 argv: PLACE FAULT, with PLACE one of step (gossip and the in-node gradient sum, by layout),
-allreduce (an AllReduce SGD stage), collective (a Horovod allreduce) or join, and FAULT stop or
-fewer. The job must end non-zero on every rank with an error naming rank 3: never a hang.
+allreduce (an AllReduce SGD stage), collective (a Horovod allreduce) or join, and FAULT stop,
+fewer or load. The job must end non-zero on every rank with an error naming rank 3 (rank 0
+and the others' iterations, for load): never a hang.
 """
 import os
 import signal
@@ -23,7 +25,13 @@ opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                mode="allreduce" if place == "allreduce" else "sgp")
 hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 for step in range(200):
-    if step == 5:
+    if step == 2:
+        saved = opt.state_dict()
+    if step == 5 and fault == "load":
+        if hvd.rank() == 0:
+            print(f"fault injected at {time.time():.3f}", flush=True)
+            opt.load_state_dict(saved)
+    elif step == 5:
         if hvd.rank() == 3:
             print(f"fault injected at {time.time():.3f}", flush=True)
             if fault == "stop":

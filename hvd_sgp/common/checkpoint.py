@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import numpy as np
 
+from hvd_sgp.common import watchdog
 from hvd_sgp.common.errors import ConsistencyError, SgpValueError
 from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.pushsum import PushSumMixer, drain
@@ -34,6 +35,12 @@ if TYPE_CHECKING:
     from hvd_sgp.common.engine import GossipEngine
 
 SHARED = ("iteration", "epoch", "outer", "slowmo")  # (slowmo: the outer state's older name)
+AGREEMENT = "the agreement on the iteration"
+STUCK_SECONDS = 2.0  # a rank inside another part of the engine's step this long never joins
+HINT = ("a checkpoint was loaded on some ranks only, or the ranks' checkpoints are of "
+        "different steps. Horovod's recipe loads it on rank 0 and then calls "
+        "hvd.broadcast_optimizer_state(optimizer, root_rank=0) on every rank; per-rank "
+        "checkpoints (optimizer.state_dict() of each rank) are loaded on every rank")
 
 
 def shared(state: dict) -> dict:
@@ -61,27 +68,56 @@ def agree(comm: MPI.Comm, steps: int, restored: bool,
     steps_of, restored_of = everyone[0::2].tolist(), everyone[1::2].tolist()
     if len(set(steps_of)) > 1:
         where = ", ".join(f"rank {r} at iteration {s}" for r, s in enumerate(steps_of))
-        raise ConsistencyError(
-            f"ranks are at different iterations ({where}): a checkpoint was loaded on some "
-            "ranks only, or the ranks' checkpoints are of different steps. Horovod's recipe loads it on rank 0 and then calls "
-            "hvd.broadcast_optimizer_state(optimizer, root_rank=0) on every rank; per-rank "
-            "checkpoints (optimizer.state_dict() of each rank) are loaded on every rank")
+        raise ConsistencyError(f"ranks are at different iterations ({where}): {HINT}")
     return len(set(restored_of)) > 1
 
 
-def check_consistent(comm: MPI.Comm, signature: list, opts: tuple, iteration: int = 0) -> int:
+def out_of_step(serial: int, members: Optional[list]) -> Callable[[], None]:
+    """The agreement's probe (a roll call, see watchdog.ask): a rank of the engine's world
+    that has been inside another part of the same engine's step (``serial``) for
+    STUCK_SECONDS will not join the agreement: it did not load, or it runs its loop at
+    another step. Then every rank's position is named at once, instead of after
+    HVD_SGP_TIMEOUT. (Without a roll call, in fault-tolerant mode, the timeout stays.)"""
+    def probe() -> None:
+        answers = watchdog.ask()
+        if answers is None or members is None:
+            return
+        answers = {rank: answer for rank, answer in answers.items() if rank in members}
+        if any(_inside(answer, serial) and answer.what != AGREEMENT
+               and answer.seconds >= STUCK_SECONDS for answer in answers.values()):
+            where = ", ".join(f"rank {rank} {_where(answer, serial)}"
+                              for rank, answer in sorted(answers.items()))
+            raise ConsistencyError(f"ranks are out of step ({where}): {HINT}")
+    return probe
+
+
+def _inside(answer, serial: int) -> bool:
+    return (isinstance(answer, watchdog.Status) and answer.owner == serial
+            and answer.iteration is not None)
+
+
+def _where(answer, serial: int) -> str:
+    if _inside(answer, serial):
+        return f"at iteration {answer.iteration} ({answer.what})"
+    return "computing" if answer is None else "not answering" if answer == watchdog.SILENT \
+        else f"elsewhere ({answer})"
+
+
+def check_consistent(comm: MPI.Comm, signature: list, opts: tuple, iteration: int = 0,
+                     serial: int = 0) -> tuple[int, int]:
     """One allgather at an engine's start: every rank must have the same parameters (count,
     shapes, dtypes, order) and the same SGP options; otherwise raise on every rank naming
-    those that differ. Returns the largest ``iteration`` given: where the graph starts (a
-    replacement joins survivors that are further on)."""
-    everyone = comm.allgather((signature, opts, iteration))
+    those that differ. Returns the largest ``iteration`` given (where the graph starts: a
+    replacement joins survivors that are further on) and the largest ``serial`` (the engine's
+    name, equal on every rank of ``comm``, however many engines each rank made before)."""
+    everyone = comm.allgather((signature, opts, iteration, serial))
     for what, index in (("parameters (names, shapes, dtypes, order)", 0), ("SGP options", 1)):
         differ = [r for r, entry in enumerate(everyone) if entry[index] != everyone[0][index]]
         if differ:
             detail = _first_difference(everyone[0][index], everyone[differ[0]][index])
             raise ConsistencyError(f"ranks {differ} have different {what} from rank 0: "
                                    f"{detail}")
-    return max(entry[2] for entry in everyone)
+    return max(entry[2] for entry in everyone), max(entry[3] for entry in everyone)
 
 
 def _first_difference(a, b) -> str:
@@ -183,8 +219,12 @@ class EngineCheckpoint:
             return
         self._check_position = False
         engine = self.engine
-        if agree(engine.world, engine.steps, self._restored,
-                 lambda request, what: engine.wait(request, what, engine.world)):
+        probe = out_of_step(engine.serial, watchdog.names_in(engine.world))
+
+        def wait(request: MPI.Request, what: str) -> None:
+            with watchdog.doing(AGREEMENT, engine.steps, engine.serial):
+                engine.wait(request, what, engine.world, probe)
+        if agree(engine.world, engine.steps, self._restored, wait):
             self.restart(engine.steps, engine.epoch, engine.outer.state())
             self._check_position = False
 

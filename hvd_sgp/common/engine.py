@@ -49,6 +49,8 @@ T = TypeVar("T")
 class GossipEngine:
     """SGP state of one optimizer on this rank."""
 
+    serials = 0  # the next engine's name (``serial``) on this rank
+
     def __init__(self, buffers: Sequence, options: SgpOptions, signature: Sequence[tuple],
                  codec: "str | Codec" = "none", access: BufferAccess = DirectAccess(),
                  layout: Optional[runtime.Layout] = None,
@@ -60,9 +62,11 @@ class GossipEngine:
         self.access = access
         layout = layout or runtime.layout()  # the world's, or a process set's
         self.codec = make_codec(codec)
-        self.steps = check_consistent(layout.world, [tuple(map(str, s)) for s in signature],
-                                      options.describe() + (self.codec.spec,),
-                                      succeeds.steps if succeeds is not None else 0)
+        self.steps, self.serial = check_consistent(
+            layout.world, [tuple(map(str, s)) for s in signature],
+            options.describe() + (self.codec.spec,), succeeds.steps if succeeds is not None else 0,
+            GossipEngine.serials)
+        GossipEngine.serials = self.serial + 1  # (watchdog.doing's owner: one name per engine)
         self.stages = (schedule.parse(options.schedule) if options.schedule else
                        [schedule.Stage(0, "epoch", options.mode, options.peers, options.overlap)])
         if any(s.overlap for s in self.stages) and not runtime.mpi_threads_supported():
@@ -116,7 +120,7 @@ class GossipEngine:
         ``access`` off: the action does not need the buffers to hold the parameters."""
         while True:
             try:
-                with recovery.translated(what), watchdog.doing(what, self.steps):
+                with recovery.translated(what), watchdog.doing(what, self.steps, self.serial):
                     return self.live(action) if access else action()
             except PeerLostError:
                 if not recovery.repairs_in_step():
@@ -136,10 +140,12 @@ class GossipEngine:
         finally:
             self._depth -= 1
 
-    def wait(self, request: MPI.Request, what: str, comm: MPI.Comm) -> None:
-        """Wait for a non-blocking collective on ``comm`` within HVD_SGP_TIMEOUT."""
+    def wait(self, request: MPI.Request, what: str, comm: MPI.Comm,
+             probe: Optional[Callable[[], None]] = None) -> None:
+        """Wait for a non-blocking collective on ``comm`` within HVD_SGP_TIMEOUT (``probe``:
+        see Wait)."""
         Wait(what, lambda: f"the other ranks of its group of {comm.Get_size()}",
-             self.transport.timeout, self.steps).until(request.Test)
+             self.transport.timeout, self.steps, probe=probe).until(request.Test)
 
     # --- stages ---------------------------------------------------------------------------
     @property

@@ -26,6 +26,7 @@ from hvd_sgp.common.errors import PeerTimeoutError, on_rank
 
 STALL_FRACTION = 0.2
 MAX_PAUSE = 5e-4  # the longest sleep between two polls of a request
+PROBE_SECONDS = 1.0  # how often a wait with a probe runs it
 
 
 def expire(message: str, error: type = PeerTimeoutError) -> NoReturn:
@@ -67,7 +68,9 @@ class Wait:
     a warning or an error is due); ``fail`` is the outcome policy (``expire`` by default,
     raising ``error``); ``hint`` ends the timeout's message; ``stall``: seconds before the
     stall warning (None: none; by default STALL_FRACTION of the timeout); ``text(kind,
-    waited)``, kind 'stall' or 'timeout', replaces both messages (the Horovod layer's)."""
+    waited)``, kind 'stall' or 'timeout', replaces both messages (the Horovod layer's);
+    ``probe``: run every PROBE_SECONDS while ``until`` waits, it may raise to end the wait
+    early (a wait that can tell it will never end, as the agreement on the iteration can)."""
 
     def __init__(self, what: str, awaited: Callable[[], str], timeout: float,
                  iteration: Optional[int] = None, error: type = PeerTimeoutError,
@@ -75,12 +78,13 @@ class Wait:
                  hint: str = "(dead or frozen peer, or ranks running different steps); raise "
                              "HVD_SGP_TIMEOUT if this is a slow start",
                  began: Optional[float] = None, stall: Optional[float] = -1.0,
-                 text: Optional[Callable[[str, float], str]] = None):
+                 text: Optional[Callable[[str, float], str]] = None,
+                 probe: Optional[Callable[[], None]] = None):
         self.what, self.awaited, self.timeout = what, awaited, timeout
         self.iteration, self.error, self.fail, self.hint = iteration, error, fail, hint
         self.began = time.monotonic() if began is None else began
         self.stall = STALL_FRACTION * timeout if stall is not None and stall < 0 else stall
-        self.text = text
+        self.text, self.probe = text, probe
         self.warned = False
 
     def waited(self) -> float:
@@ -115,7 +119,11 @@ class Wait:
         """Poll ``done`` (a request's Test) with a growing pause until it holds, checking the
         deadline between polls."""
         pause = 2e-6
+        probe_at = self.began + PROBE_SECONDS
         while not done():
             self.due()
+            if self.probe is not None and time.monotonic() >= probe_at:
+                self.probe()
+                probe_at = time.monotonic() + PROBE_SECONDS
             time.sleep(pause)
             pause = min(pause * 2, MAX_PAUSE)

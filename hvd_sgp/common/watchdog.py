@@ -28,7 +28,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from hvd_sgp.common import recovery, waiting
 from hvd_sgp.common.errors import on_rank
@@ -47,10 +47,11 @@ class _Watch:
     def __init__(self) -> None:
         self.timeout = 300.0
         self.calls: dict[int, list] = {}  # thread id -> [began, comm, call name, warned]
-        self.activity: dict[int, tuple] = {}  # thread id -> (what, iteration, since): doing
+        self.activity: dict[int, tuple] = {}  # thread id -> (what, iteration, since, owner)
         self.roll: Optional[MPI.Comm] = None  # the roll call's communicator (world-sized)
         self.group: Optional[MPI.Group] = None  # the world's, to name a communicator's ranks
         self.names: list = []  # world rank -> how errors name it (its launch rank)
+        self.rank = 0  # this one's, in the world
         self.sends: list = []  # roll-call messages still in flight
         self.lock = threading.RLock()  # one thread at a time on the roll call's communicator
         self.thread: Optional[threading.Thread] = None
@@ -98,16 +99,18 @@ def watched(comm: MPI.Comm) -> MPI.Comm:
 
 class doing:
     """Name what this thread is doing (a context manager), for the watchdog's messages: 'the
-    gradient sum' at iteration 5, say."""
+    gradient sum' at iteration 5, say; ``owner``: the optimizer's engine whose step it is (its
+    serial, equal on every rank), so that ranks in different parts of one engine's step show
+    up as such (checkpoint.out_of_step)."""
 
-    __slots__ = ("entry", "key", "previous")
+    __slots__ = ("entry", "key", "previous", "owner")
 
-    def __init__(self, what: str, iteration: Optional[int] = None):
-        self.entry, self.key = (what, iteration), threading.get_ident()
+    def __init__(self, what: str, iteration: Optional[int] = None, owner: Optional[int] = None):
+        self.entry, self.key, self.owner = (what, iteration), threading.get_ident(), owner
 
     def __enter__(self) -> None:
         self.previous = _watch.activity.get(self.key)
-        _watch.activity[self.key] = (*self.entry, time.monotonic())
+        _watch.activity[self.key] = (*self.entry, time.monotonic(), self.owner)
 
     def __exit__(self, *exc: Any) -> None:
         if self.previous is None:
@@ -121,7 +124,7 @@ def start(world: MPI.Comm, names: list, timeout: float, threads: bool) -> None:
     """At init (collective over ``world``): the roll call's communicator and the thread.
     Without MPI_THREAD_MULTIPLE there is no roll call: the deadline alone."""
     _watch.timeout = timeout
-    _watch.names, _watch.group = list(names), world.Get_group()
+    _watch.names, _watch.group, _watch.rank = list(names), world.Get_group(), world.Get_rank()
     if threads and not recovery.enabled():  # (under ULFM a lost rank is repaired instead)
         _watch.roll = world.Dup()
         waiting.others[0] = roll_call
@@ -172,7 +175,7 @@ def _check(key: int, call: list) -> None:
     timeout = _watch.timeout if activity is not None else max(_watch.timeout, START_SECONDS)
     if waited < waiting.STALL_FRACTION * timeout or (warned and waited < timeout):
         return
-    what, iteration, _ = activity or (_OUTSIDE, None, 0.0)
+    what, iteration, _, _ = activity or (_OUTSIDE, None, 0.0, None)
     place = waiting.place(f"{what}, MPI_{name}", iteration)
     if waited < timeout:
         call[3] = True
@@ -188,35 +191,57 @@ def _check(key: int, call: list) -> None:
 
 
 def _members(comm: MPI.Comm) -> str:
+    names = names_in(comm)
+    return "its ranks" if names is None else _ranks(names)
+
+
+def names_in(comm: MPI.Comm) -> Optional[list]:
+    """The names (launch ranks) of ``comm``'s members, in its order; None where some are not
+    of the world the watchdog started with (spawned replacements)."""
     try:
         ranks = MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())),
                                           _watch.group)
     except MPI.Exception:
-        return "its ranks"
-    if any(r == MPI.UNDEFINED for r in ranks):  # (a repaired world: spawned ranks)
-        return "its ranks"
-    return _ranks([_name(r) for r in ranks])
+        return None
+    if any(r == MPI.UNDEFINED for r in ranks):
+        return None
+    return [name_of(r) for r in ranks]
 
 
-def _name(world_rank: int) -> Any:
+def name_of(world_rank: int) -> Any:
+    """How errors name a rank of the world (its launch rank)."""
     return _watch.names[world_rank] if 0 <= world_rank < len(_watch.names) else world_rank
 
 
 # --- the roll call ---------------------------------------------------------------------------
-def _status() -> str:
-    """What this rank is doing, for another rank's roll call."""
+class Status(NamedTuple):
+    """What a rank is doing, as its watchdog answers a roll call."""
+
+    what: str
+    call: Optional[str]  # the blocking MPI call it is in, if any
+    iteration: Optional[int]  # inside an optimizer's step: which
+    seconds: float  # how long it has been at it
+    owner: Optional[int]  # the engine whose step it is in (``doing``'s owner)
+
+    def __str__(self) -> str:
+        what = f"{self.what} (MPI_{self.call})" if self.call else self.what
+        at = f" at iteration {self.iteration}" if self.iteration is not None else ""
+        return f"in {what}{at} for {self.seconds:.0f} s"
+
+
+def _status() -> Optional[Status]:
+    """What this rank is doing, for another rank's roll call (None: it computes)."""
+    now = time.monotonic()
     calls = list(_watch.calls.items())
     if calls:
         key, (began, _, name, _) = calls[0]
-        what, iteration, _ = _watch.activity.get(key, (_OUTSIDE, None, 0.0))
-        what = f"{what} (MPI_{name})"
-    else:
-        activities = list(_watch.activity.values())
-        if not activities:
-            return "in no blocking call"
-        what, iteration, began = activities[0]
-    at = f" at iteration {iteration}" if iteration is not None else ""
-    return f"in {what}{at} for {time.monotonic() - began:.0f} s"
+        what, iteration, _, owner = _watch.activity.get(key, (_OUTSIDE, None, 0.0, None))
+        return Status(what, name, iteration, now - began, owner)
+    activities = list(_watch.activity.values())
+    if not activities:
+        return None
+    what, iteration, began, owner = activities[0]
+    return Status(what, None, iteration, now - began, owner)
 
 
 def _serve(answers: bool) -> None:
@@ -234,50 +259,67 @@ def _serve(answers: bool) -> None:
             if tag == _ASK:
                 _watch.sends.append(roll.isend(_status(), dest=source, tag=_ANSWER))
             elif tag == _VERDICT:
-                _say_and_exit(f"the job ends: rank {_name(source)} {message}")
+                _say_and_exit(f"the job ends: rank {name_of(source)} {message}")
     _watch.sends = [r for r in _watch.sends if not r.Test()]
+
+
+SILENT = "silent"  # a rank that did not answer the roll call
+
+
+def _said(answer: Any) -> str:
+    if isinstance(answer, Status):
+        return str(answer)
+    return "in no blocking call" if answer is None else "does not answer"
 
 
 def roll_call() -> str:
     """Ask every other rank what it does (the answers of a watchdog thread, which take up to
     ROLL_CALL_SECONDS when some do not come); 'rank 3 does not answer (frozen, dead or ended);
     ranks 1, 2 are in the gradient sum (MPI_Allreduce) at iteration 5 for 4 s'."""
-    with _watch.lock:
-        return _roll_call()
-
-
-def _roll_call() -> str:
-    roll = _watch.roll
-    if roll is None:  # (fault-tolerant mode, or no MPI_THREAD_MULTIPLE)
+    answers = ask()
+    if answers is None:  # (fault-tolerant mode, or no MPI_THREAD_MULTIPLE)
         return "the other ranks were not asked"
-    me = roll.Get_rank()
-    others = [r for r in range(roll.Get_size()) if r != me]
-    requests = [roll.irecv(source=r, tag=_ANSWER) for r in others]
-    for r in others:
-        _watch.sends.append(roll.isend(None, dest=r, tag=_ASK))
-    answers: dict[int, str] = {}
-    deadline = time.monotonic() + ROLL_CALL_SECONDS
-    while len(answers) < len(others) and time.monotonic() < deadline:
-        for r, request in zip(others, requests):
-            if r not in answers:
-                done, message = request.test()
-                if done:
-                    answers[r] = message
-        _serve(answers=False)  # the others may be calling the roll at the same time
-        time.sleep(0.01)
-    for r, request in zip(others, requests):
-        if r not in answers:
-            request.Cancel()
+    me = name_of(_watch.rank)
     by_status: dict[str, list] = {}
-    for r in others:
-        status = answers.get(r, "does not answer (frozen, dead or ended)")
-        by_status.setdefault(status, []).append(_name(r))
-    silent = by_status.pop("does not answer (frozen, dead or ended)", None)
+    for rank, answer in answers.items():
+        if rank != me:
+            by_status.setdefault(_said(answer), []).append(rank)
+    silent = by_status.pop(_said(SILENT), None)
     parts = ([f"{_ranks(silent)} {'does' if len(silent) == 1 else 'do'} not answer "
               "(frozen, dead or ended)"] if silent else [])
     parts += [f"{_ranks(ranks)} {'is' if len(ranks) == 1 else 'are'} {status}"
               for status, ranks in by_status.items()]
     return "; ".join(parts) or "no other rank"
+
+
+def ask() -> Optional[dict]:
+    """The roll call itself: every rank's ``Status`` by its name (launch rank), this one's
+    included; None for a rank that computes, SILENT for one that did not answer within
+    ROLL_CALL_SECONDS. None where there is no roll call (fault-tolerant mode, or no
+    MPI_THREAD_MULTIPLE)."""
+    with _watch.lock:
+        roll = _watch.roll
+        if roll is None:
+            return None
+        me = roll.Get_rank()
+        others = [r for r in range(roll.Get_size()) if r != me]
+        requests = [roll.irecv(source=r, tag=_ANSWER) for r in others]
+        for r in others:
+            _watch.sends.append(roll.isend(None, dest=r, tag=_ASK))
+        answers: dict[int, Any] = {me: _status()}
+        deadline = time.monotonic() + ROLL_CALL_SECONDS
+        while len(answers) <= len(others) and time.monotonic() < deadline:
+            for r, request in zip(others, requests):
+                if r not in answers:
+                    done, message = request.test()
+                    if done:
+                        answers[r] = message
+            _serve(answers=False)  # the others may be calling the roll at the same time
+            time.sleep(0.01)
+        for r, request in zip(others, requests):
+            if r not in answers:
+                request.Cancel()
+        return {name_of(r): answers.get(r, SILENT) for r in range(roll.Get_size())}
 
 
 def _ranks(ranks: list) -> str:
