@@ -23,8 +23,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from hvd_sgp.common import (discovery, errors, options, recovery, watchdog, world_grow,
-                            world_repair)
+from hvd_sgp.common import (discovery, errors, fault_mode, options, recovery, watchdog,
+                            world_grow, world_repair)
 from hvd_sgp.common.errors import NotInitializedError, OptionError, SgpValueError
 from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.world import World, WorldChange
@@ -111,7 +111,7 @@ def init(comm: Optional[MPI.Comm] = None) -> None:
         if discovered is not None:
             _world.discovered = discovered
             _world.allocated = {name for name, _ in discovered}
-    recovery.configure(_world_revoked, _revoke_all, _world.origin)
+    fault_mode.configure(_world_revoked, _revoke_all, _world.origin)
     watchdog.start(_world.world, _world.origins, float(options.from_environment("timeout")),
                    _world.thread_level >= MPI.THREAD_MULTIPLE)
     _abort_on_uncaught_errors()
@@ -126,7 +126,7 @@ def _join_guard() -> bool:
     if "OMPI_PARENT_PORT" not in os.environ or not options.from_environment("fault_tolerant"):
         return False
     signal.signal(signal.SIGALRM, signal.SIG_DFL)
-    signal.alarm(int(recovery.repair_deadline()))
+    signal.alarm(int(fault_mode.repair_seconds()))
     return True
 
 
