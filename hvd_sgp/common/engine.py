@@ -25,7 +25,7 @@ from typing import Callable, Optional, Sequence, TypeVar
 
 import numpy as np
 
-from hvd_sgp.common import recovery, runtime, schedule, telemetry, watchdog
+from hvd_sgp.common import blocking, recovery, runtime, schedule, telemetry, watchdog
 from hvd_sgp.common.arrays import kit_for
 from hvd_sgp.common.checkpoint import EngineCheckpoint, check_consistent
 from hvd_sgp.common.codecs import Codec, codec as make_codec
@@ -120,7 +120,7 @@ class GossipEngine:
         ``access`` off: the action does not need the buffers to hold the parameters."""
         while True:
             try:
-                with recovery.translated(what), watchdog.doing(what, self.steps, self.serial):
+                with recovery.translated(what), blocking.doing(what, self.steps, self.serial):
                     return self.live(action) if access else action()
             except PeerLostError:
                 if not recovery.repairs_in_step():
