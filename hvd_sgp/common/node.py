@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from hvd_sgp.common import runtime
+from hvd_sgp.common import place
 from hvd_sgp.common.arrays import kit_for, mpi_type_of
 from hvd_sgp.common.mpi import MPI
 
@@ -92,13 +92,13 @@ def exact_average(buffer, cross: MPI.Comm, local: Optional[MPI.Comm],
 
 def broadcast_in_node(value: Any) -> Any:
     """Local rank 0's ``value`` on every rank of this node (a rendezvous address, say)."""
-    return runtime.local_comm().bcast(value, root=0)
+    return place.local_comm().bcast(value, root=0)
 
 
 def gather_by_node(value: Any) -> list[list[Any]]:
     """Every rank's ``value``, grouped by node (cross rank), in local-rank order."""
-    entries = runtime.world_comm().allgather((runtime.cross_rank(), runtime.local_rank(), value))
-    nodes: list[list[Any]] = [[] for _ in range(runtime.cross_size())]
+    entries = place.world_comm().allgather((place.cross_rank(), place.local_rank(), value))
+    nodes: list[list[Any]] = [[] for _ in range(place.cross_size())]
     for node, _, v in sorted(entries, key=lambda e: (e[0], e[1])):
         nodes[node].append(v)
     return nodes

@@ -12,9 +12,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
-from hvd_sgp.common import recovery, runtime
+from hvd_sgp.common import place, recovery
 from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.waiting import Wait
+from hvd_sgp.common.world import track, untrack
 
 _TAG_SPACE = 32767  # the MPI standard guarantees tags up to this
 DEFAULT_TIMEOUT = 300.0  # seconds; the optimizers take theirs from the options table
@@ -96,14 +97,14 @@ class PeerTransport:
 
     def __init__(self, comm: MPI.Comm, timeout: float | None = None):
         self.comm = comm.Dup()  # private: our tags never meet the user's messages
-        runtime.track(self.comm)  # revoked with the world when a peer is lost
+        track(self.comm)  # revoked with the world when a peer is lost
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.timeout = DEFAULT_TIMEOUT if timeout is None else timeout
         self.stats = TransportStats()
-        # errors name peers by launch rank (a replacement's: its own, runtime.origin_rank),
+        # errors name peers by launch rank (a replacement's: its own, place.origin_rank),
         # whatever communicator (cross-node) carries them
-        self.world_ranks = self.comm.allgather(runtime.origin_rank() if runtime.is_initialized()
+        self.world_ranks = self.comm.allgather(place.origin_rank() if place.is_initialized()
                                                else MPI.COMM_WORLD.Get_rank())
         self.timeline = None  # a telemetry.Timeline records the waits when set
 
@@ -163,7 +164,7 @@ class PeerTransport:
         return ", ".join(names) or "peers"
 
     def free(self) -> None:
-        runtime.untrack(self.comm)
+        untrack(self.comm)
         recovery.free(self.comm)
 
 

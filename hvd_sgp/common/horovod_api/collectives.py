@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from hvd_sgp.common import runtime
+from hvd_sgp.common import place
 from hvd_sgp.common.errors import HorovodInternalError, SgpValueError
 from hvd_sgp.common.horovod_api import negotiation, process_sets
 from hvd_sgp.common.horovod_api.negotiation import (Controller, Kind, Operation, Request,
@@ -475,7 +475,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
     takes the set's next unnamed-op name (Horovod names it by the object's type, which hangs
     when root passes a dict and the others None)."""
     base = name or process_sets.controller(process_set).next_name()
-    me = runtime.rank()
+    me = place.rank()
     payload = np.frombuffer(dumps(obj), np.uint8) if me == root_rank else None
     size = np.array([0 if payload is None else payload.size], np.int64)
     size = grouped_broadcast_async([size], root_rank, f"{base}.sz", process_set).wait()[0]
