@@ -166,6 +166,25 @@ class Operation:
         self.result, self.error, self.done = result, error, True
 
 
+class Handle:
+    """A collective in flight: ``done()`` polls it, ``wait()`` returns its result or raises
+    its error (the same one on every rank of the set)."""
+
+    def __init__(self, op: Operation, transform: Callable[[Any], Any] = lambda r: r):
+        self._op = op
+        self._transform = transform
+
+    def done(self) -> bool:
+        progress_all()
+        return self._op.done
+
+    def wait(self) -> Any:
+        wait_until(lambda: self._op.done)
+        if self._op.error is not None:
+            raise self._op.error
+        return self._transform(self._op.result)
+
+
 class _Entry:
     """The coordinator's file on one name: who has submitted what."""
 
