@@ -12,7 +12,7 @@ from typing import Any
 _WHERE = {
     "NotInitializedError": "errors", "PeerTimeoutError": "errors", "SgpError": "errors",
     "SgpValueError": "errors", "PushSumMixer": "pushsum", "allocate": "pushsum",
-    "gossip_average": "pushsum", "average_in_node": "node", "cross_rank": "runtime",
+    "gossip_average": "gossip", "average_in_node": "node", "cross_rank": "runtime",
     "cross_size": "runtime", "init": "runtime", "is_initialized": "runtime",
     "local_rank": "runtime", "local_size": "runtime", "mpi_threads_supported": "runtime",
     "rank": "runtime", "shutdown": "runtime", "size": "runtime", "Topology": "topology",

@@ -32,7 +32,7 @@ from hvd_sgp.common.codecs import Codec, codec as make_codec
 from hvd_sgp.common.errors import PeerLostError, SgpValueError
 from hvd_sgp.common.join_serving import JoinServing
 from hvd_sgp.common.mpi import MPI
-from hvd_sgp.common.node import NodeShard, average_arrays, exact_average
+from hvd_sgp.common.node import NodeShard, average_arrays, exact_average, in_node
 from hvd_sgp.common.options import SgpOptions
 from hvd_sgp.common.outer import OuterLoop
 from hvd_sgp.common.mixers import build, feeds_back
@@ -189,7 +189,7 @@ class GossipEngine:
             push_sum = self.options.push_sum
         if stage.overlap and self.progress is None:
             self.progress = Progress(self.transport)
-        self.mixers = [build(buf, topology, self.transport, local=self.local,
+        self.mixers = [build(buf, topology, self.transport, shard=in_node(self.local),
                              push_sum=push_sum, codec=self.codec,
                              progress=self.progress if stage.overlap else None,
                              max_delay=self.options.max_delay,

@@ -1,5 +1,6 @@
 """Work inside one node (the ranks that share memory, or ``HVD_SGP_LOCAL_SIZE`` of them): the
-shard of the buffer each local rank carries across nodes, exact averages (consensus over the
+shard of the buffer each local rank carries across nodes (a mixer's part, handed to it as
+``shard=in_node(local)``), exact averages (consensus over the
 whole job, optimizer or model state), and the small agreements an adapter needs among a
 node's ranks.
 
@@ -7,13 +8,22 @@ SGP gossips between nodes; inside a node everything is exact.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
 from hvd_sgp.common import place
-from hvd_sgp.common.arrays import kit_for, mpi_type_of
+from hvd_sgp.common.arrays import kit_for
 from hvd_sgp.common.mpi import MPI
+
+
+def mpi_type(dtype: np.dtype) -> MPI.Datatype:
+    """The MPI datatype of a numpy dtype (kits of other array types map to numpy's)."""
+    return MPI._typedict[np.dtype(dtype).char]
+
+
+def mpi_type_of(a: Any) -> MPI.Datatype:
+    return mpi_type(kit_for(a).numpy_dtype(a))
 
 
 def shard_bounds(n: int, parts: int, index: int) -> tuple[int, int]:
@@ -54,10 +64,25 @@ class NodeShard:
         self._spec = [buffer, [b - a for a, b in bounds], [a for a, _ in bounds],
                       mpi_type_of(buffer)]
 
+    def message(self) -> Any:
+        """What one uncompressed push sends in place: the shard and the weight slot (an MPI
+        indexed type over the buffer; the buffer itself where the shard is all of it)."""
+        n = len(self.buffer) - 1
+        if self.start == 0 and self.stop == n:
+            return self.buffer
+        dtype = self._spec[3].Create_indexed([self.stop - self.start, 1], [self.start, n])
+        dtype.Commit()
+        return [self.buffer, 1, dtype]
+
     def gather(self) -> None:
         if self.local is not None:
             self.kit.ready(self.buffer)
             self.local.Allgatherv(MPI.IN_PLACE, self._spec)
+
+
+def in_node(local: Optional[MPI.Comm]) -> Callable[[Any], NodeShard]:
+    """A mixer's ``shard``: each buffer cut into this local rank's shard of ``local``'s node."""
+    return lambda buffer: NodeShard(buffer, local)
 
 
 def exact_average(buffer, cross: MPI.Comm, local: Optional[MPI.Comm],
