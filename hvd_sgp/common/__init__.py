@@ -1,8 +1,8 @@
 """The framework-free core: MPI runtime, topologies, PushSum mixing and transport (numpy + mpi4py).
 
-Importing it (or any of its modules but those that mix: pushsum, engine, ...) does not load
-``mpi4py.MPI``: the names below are looked up on first use, so launchers, the simulator's
-topologies and the options table stay MPI-free.
+Importing it does not load ``mpi4py.MPI``: the names below are looked up on first use. Nor do
+the options, topologies, codecs, telemetry and the mixers (pushsum, choco, sparse, overlap,
+mixers), so launchers, the simulator and the options table stay MPI-free.
 """
 from __future__ import annotations
 
