@@ -1,8 +1,7 @@
 """Work inside one node (the ranks that share memory, or ``HVD_SGP_LOCAL_SIZE`` of them): the
 shard of the buffer each local rank carries across nodes (a mixer's part, handed to it as
-``shard=in_node(local)``), exact averages (consensus over the
-whole job, optimizer or model state), and the small agreements an adapter needs among a
-node's ranks.
+``shard=in_node(local)``), exact averages (consensus over the whole job, optimizer or model
+state), and the small agreements an adapter needs among a node's ranks.
 
 SGP gossips between nodes; inside a node everything is exact.
 """
