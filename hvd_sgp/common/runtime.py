@@ -28,10 +28,10 @@ from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.world import World, WorldChange
 # This rank's place (place.py) and the world's change API (world.py) are reached as runtime.*
 # by the adapters, tests and tools, as the rest of the world's public face.
-from hvd_sgp.common.place import (Layout, cross_comm, cross_rank, cross_size,  # noqa: F401
+from hvd_sgp.common.place import (Layout, cross_comm, cross_rank, cross_size, host,  # noqa: F401
                                   is_initialized, layout, local_comm, local_rank, local_size,
-                                  mpi_threads_supported, origin_rank, host, rank, replacement,
-                                  size, split, world_comm)
+                                  mpi_threads_supported, origin_rank, rank, replacement, size,
+                                  split, world_comm)
 from hvd_sgp.common.world import forget_world_change, on_world_change, track, untrack  # noqa: F401
 
 
