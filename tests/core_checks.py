@@ -7,6 +7,7 @@ from hvd_sgp.common.mpi import MPI
 
 from hvd_sgp.common import PushSumMixer, allocate, gossip_average, init
 from hvd_sgp.common import runtime
+from hvd_sgp.common.node import in_node
 from hvd_sgp.common.topology import CustomGraph, RandomGraph, make_topology
 from hvd_sgp.common.errors import TopologyError
 from hvd_sgp.common.transport import PeerTransport
@@ -129,7 +130,7 @@ def check_sharded_node():
     buf = allocate(values.size, np.float64)
     buf[:-1] = values
     mixer = PushSumMixer(buf, irregular(n // 2) if n // 2 >= 3 else make_topology("ring", n // 2),
-                         PeerTransport(cross), local=local)
+                         PeerTransport(cross), shard=in_node(local))
     for _ in range(200):
         mixer.mix()
     truth = np.arange(11) + 100 * (n // 2 - 1) / 2

@@ -243,10 +243,10 @@ def check_frozen_rank_is_excluded():
 @checks
 def check_needs_ulfm_flags():
     """HVD_SGP_FAULT_TOLERANT=1 under an mpirun without ULFM names the missing flags."""
-    from hvd_sgp.common import recovery
+    from hvd_sgp.common import fault_mode
 
     from mpi_checks import expect_error
-    error = expect_error(OptionError, lambda: recovery.check_support({}), rank=hvd.rank())
+    error = expect_error(OptionError, lambda: fault_mode.check_support({}), rank=hvd.rank())
     checks.verify("fault-tolerant mode without ULFM's flags: OptionError naming them",
                   "--with-ft ulfm" in str(error) and "mpi_ft_detector" in str(error))
 

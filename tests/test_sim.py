@@ -25,6 +25,18 @@ def test_exponential_graph_averages_exactly_at_1024_nodes():
     assert net.weights().min() == 1.0  # doubly stochastic: the weight stays 1
 
 
+def test_simulates_without_loading_mpi():
+    """The simulator and telemetry import, and a compressed, delayed run mixes, without
+    loading mpi4py.MPI: the mixers take their transport and shard from outside."""
+    code = ("import sys, hvd_sgp.sim, hvd_sgp.common.telemetry; "
+            "assert 'mpi4py.MPI' not in sys.modules, 'imported'; "
+            "hvd_sgp.sim.simulate(nodes=8, steps=3, codec='int8'); "
+            "hvd_sgp.sim.simulate(nodes=8, steps=3, delay=2, codec='randomk:0.5'); "
+            "assert 'mpi4py.MPI' not in sys.modules, 'simulated'; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert out.stdout.strip() == "ok", out.stderr
+
+
 def test_agrees_with_mpi_step_by_step():
     out = run_mpi(8, "sim_checks.py", timeout=180).stdout
     assert "simulator agrees with MPI on 8 ranks over 12 steps" in out, out

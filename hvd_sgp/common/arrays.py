@@ -16,18 +16,13 @@ import numpy as np
 
 from hvd_sgp.common import codecs
 from hvd_sgp.common.codecs import Codec
-from hvd_sgp.common.mpi import MPI
+from hvd_sgp.common.errors import SgpValueError
 
 WIRE = np.dtype(np.uint8)  # encoded messages are bytes (codecs.py)
 
 
-def mpi_type(dtype: np.dtype) -> MPI.Datatype:
-    """The MPI datatype of a numpy dtype (kits of other array types map to numpy's)."""
-    return MPI._typedict[np.dtype(dtype).char]
-
-
 class ArrayKit:
-    """Array creation, MPI typing, host copies and the wire codecs for one array type."""
+    """Array creation, dtypes, host copies and the wire codecs for one array type."""
 
     def is_flat(self, a: Any) -> bool:
         """One contiguous 1-D array (what a PushSum buffer must be)."""
@@ -167,5 +162,14 @@ def kit_for(a: Any) -> ArrayKit:
                     "array or a tensor of a framework whose adapter registered a kit")
 
 
-def mpi_type_of(a: Any) -> MPI.Datatype:
-    return mpi_type(kit_for(a).numpy_dtype(a))
+def host_view(buffer) -> np.ndarray:
+    """The buffer as a numpy array sharing its memory (numpy arrays, CPU tensors through
+    ``__array__``): compressed gossip encodes on the host."""
+    try:
+        view = np.asarray(buffer)
+    except (TypeError, RuntimeError, ValueError):
+        view = None
+    if view is None or view.ndim != 1 or not view.flags.writeable:
+        raise SgpValueError("compressed gossip and outer optimizers work in host memory; device "
+                            "parameters need the staged placement (HVD_SGP_CUDA_AWARE=0)")
+    return view

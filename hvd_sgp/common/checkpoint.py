@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import numpy as np
 
-from hvd_sgp.common import watchdog
+from hvd_sgp.common import blocking, watchdog
 from hvd_sgp.common.errors import ConsistencyError, SgpValueError
 from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.pushsum import PushSumMixer, drain
@@ -222,7 +222,7 @@ class EngineCheckpoint:
         probe = out_of_step(engine.serial, watchdog.names_in(engine.world))
 
         def wait(request: MPI.Request, what: str) -> None:
-            with watchdog.doing(AGREEMENT, engine.steps, engine.serial):
+            with blocking.doing(AGREEMENT, engine.steps, engine.serial):
                 engine.wait(request, what, engine.world, probe)
         if agree(engine.world, engine.steps, self._restored, wait):
             self.restart(engine.steps, engine.epoch, engine.outer.state())

@@ -41,32 +41,19 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from hvd_sgp.common.arrays import host_view
 from hvd_sgp.common.codecs import BLOCK, Codec, blocks
 from hvd_sgp.common.errors import SgpValueError
-from hvd_sgp.common.mpi import MPI
-from hvd_sgp.common.pushsum import PushSumMixer
+from hvd_sgp.common.pushsum import Part, PushSumMixer
 from hvd_sgp.common.timing import Timing
 from hvd_sgp.common.topology import Topology
-from hvd_sgp.common.transport import Transport
+from hvd_sgp.common.transport_protocol import Transport
 
 HEADER = 24  # gamma * share, the weight share and the raw flag, as three float64
-
-
-def host_view(buffer) -> np.ndarray:
-    """The buffer as a numpy array sharing its memory (numpy arrays, CPU tensors through
-    ``__array__``): compressed gossip encodes on the host."""
-    try:
-        view = np.asarray(buffer)
-    except (TypeError, RuntimeError, ValueError):
-        view = None
-    if view is None or view.ndim != 1 or not view.flags.writeable:
-        raise SgpValueError("compressed gossip and outer optimizers work in host memory; device "
-                            "parameters need the staged placement (HVD_SGP_CUDA_AWARE=0)")
-    return view
 
 
 class ChocoMixer(PushSumMixer):
@@ -84,11 +71,11 @@ of a mixer, under either timing part.
     """
 
     def __init__(self, buffer, topology: Topology, transport: Transport,
-                 local: Optional[MPI.Comm] = None, push_sum: bool = True,
+                 shard: Optional[Callable[[Any], Part]] = None, push_sum: bool = True,
                  codec: Optional[Codec] = None, track_weight: Optional[bool] = None,
                  step: Optional[float] = None, error_feedback: bool = True, *,
                  timing: Optional[Timing] = None):
-        super().__init__(host_view(buffer), topology, transport, local, push_sum, codec,
+        super().__init__(host_view(buffer), topology, transport, shard, push_sum, codec,
                          track_weight, timing=timing)
         self.step = self.codec.consensus_step if step is None else float(step)
         if not 0 < self.step <= 1:

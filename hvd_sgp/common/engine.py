@@ -25,14 +25,14 @@ from typing import Callable, Optional, Sequence, TypeVar
 
 import numpy as np
 
-from hvd_sgp.common import recovery, runtime, schedule, telemetry, watchdog
+from hvd_sgp.common import blocking, recovery, runtime, schedule, telemetry, watchdog
 from hvd_sgp.common.arrays import kit_for
 from hvd_sgp.common.checkpoint import EngineCheckpoint, check_consistent
 from hvd_sgp.common.codecs import Codec, codec as make_codec
 from hvd_sgp.common.errors import PeerLostError, SgpValueError
 from hvd_sgp.common.join_serving import JoinServing
 from hvd_sgp.common.mpi import MPI
-from hvd_sgp.common.node import NodeShard, average_arrays, exact_average
+from hvd_sgp.common.node import NodeShard, average_arrays, exact_average, in_node
 from hvd_sgp.common.options import SgpOptions
 from hvd_sgp.common.outer import OuterLoop
 from hvd_sgp.common.mixers import build, feeds_back
@@ -120,7 +120,7 @@ class GossipEngine:
         ``access`` off: the action does not need the buffers to hold the parameters."""
         while True:
             try:
-                with recovery.translated(what), watchdog.doing(what, self.steps, self.serial):
+                with recovery.translated(what), blocking.doing(what, self.steps, self.serial):
                     return self.live(action) if access else action()
             except PeerLostError:
                 if not recovery.repairs_in_step():
@@ -189,7 +189,7 @@ class GossipEngine:
             push_sum = self.options.push_sum
         if stage.overlap and self.progress is None:
             self.progress = Progress(self.transport)
-        self.mixers = [build(buf, topology, self.transport, local=self.local,
+        self.mixers = [build(buf, topology, self.transport, shard=in_node(self.local),
                              push_sum=push_sum, codec=self.codec,
                              progress=self.progress if stage.overlap else None,
                              max_delay=self.options.max_delay,

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 
-from hvd_sgp.common import runtime
+from hvd_sgp.common import place
 from hvd_sgp.common.arrays import kit_for
 from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.waiting import Wait
@@ -59,7 +59,7 @@ class JoinServing:
             return True
         self.serving = True
         self._serve_target = self.engine.steps + 1
-        if not runtime.mpi_threads_supported():  # no MPI from two threads: serve in line
+        if not place.mpi_threads_supported():  # no MPI from two threads: serve in line
             self._served_step()
             self._end_served_step()
             return True

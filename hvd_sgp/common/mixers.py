@@ -11,17 +11,16 @@ A mixer is its codec part (what a message carries) with a timing part (when it t
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from hvd_sgp.common.choco import ChocoMixer
 from hvd_sgp.common.codecs import Codec, RandomKCodec, codec as make_codec
-from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.overlap import Overlap
-from hvd_sgp.common.pushsum import PushSumMixer
+from hvd_sgp.common.pushsum import Part, PushSumMixer
 from hvd_sgp.common.sparse import SparseMixer
 from hvd_sgp.common.timing import Synchronous
 from hvd_sgp.common.topology import Topology
-from hvd_sgp.common.transport import ProgressEngine, Transport
+from hvd_sgp.common.transport_protocol import ProgressEngine, Transport
 
 
 def feeds_back(codec: "str | Codec") -> bool:
@@ -33,7 +32,7 @@ def feeds_back(codec: "str | Codec") -> bool:
 
 
 def build(buffer, topology: Topology, transport: Transport, *,
-          local: Optional[MPI.Comm] = None, push_sum: bool = True,
+          shard: Optional[Callable[[Any], Part]] = None, push_sum: bool = True,
           codec: "str | Codec | None" = None, progress: Optional[ProgressEngine] = None,
           max_delay: int = 1, consensus_step: Optional[float] = None,
           error_feedback: bool = True, in_place: bool = False,
@@ -46,8 +45,8 @@ def build(buffer, topology: Topology, transport: Transport, *,
     timing = (Synchronous() if progress is None
               else Overlap(progress, max_delay=max_delay, in_place=in_place))
     if compressed is None and isinstance(codec, RandomKCodec):
-        return SparseMixer(buffer, topology, transport, local, push_sum, codec, timing=timing)
+        return SparseMixer(buffer, topology, transport, shard, push_sum, codec, timing=timing)
     if codec.differential if compressed is None else compressed:
-        return ChocoMixer(buffer, topology, transport, local, push_sum, codec,
+        return ChocoMixer(buffer, topology, transport, shard, push_sum, codec,
                           step=consensus_step, error_feedback=error_feedback, timing=timing)
-    return PushSumMixer(buffer, topology, transport, local, push_sum, codec, timing=timing)
+    return PushSumMixer(buffer, topology, transport, shard, push_sum, codec, timing=timing)

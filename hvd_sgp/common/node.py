@@ -1,19 +1,28 @@
 """Work inside one node (the ranks that share memory, or ``HVD_SGP_LOCAL_SIZE`` of them): the
-shard of the buffer each local rank carries across nodes, exact averages (consensus over the
-whole job, optimizer or model state), and the small agreements an adapter needs among a
-node's ranks.
+shard of the buffer each local rank carries across nodes (a mixer's part, handed to it as
+``shard=in_node(local)``), exact averages (consensus over the whole job, optimizer or model
+state), and the small agreements an adapter needs among a node's ranks.
 
 SGP gossips between nodes; inside a node everything is exact.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from hvd_sgp.common import runtime
-from hvd_sgp.common.arrays import kit_for, mpi_type_of
+from hvd_sgp.common import place
+from hvd_sgp.common.arrays import kit_for
 from hvd_sgp.common.mpi import MPI
+
+
+def mpi_type(dtype: np.dtype) -> MPI.Datatype:
+    """The MPI datatype of a numpy dtype (kits of other array types map to numpy's)."""
+    return MPI._typedict[np.dtype(dtype).char]
+
+
+def mpi_type_of(a: Any) -> MPI.Datatype:
+    return mpi_type(kit_for(a).numpy_dtype(a))
 
 
 def shard_bounds(n: int, parts: int, index: int) -> tuple[int, int]:
@@ -54,10 +63,25 @@ class NodeShard:
         self._spec = [buffer, [b - a for a, b in bounds], [a for a, _ in bounds],
                       mpi_type_of(buffer)]
 
+    def message(self) -> Any:
+        """What one uncompressed push sends in place: the shard and the weight slot (an MPI
+        indexed type over the buffer; the buffer itself where the shard is all of it)."""
+        n = len(self.buffer) - 1
+        if self.start == 0 and self.stop == n:
+            return self.buffer
+        dtype = self._spec[3].Create_indexed([self.stop - self.start, 1], [self.start, n])
+        dtype.Commit()
+        return [self.buffer, 1, dtype]
+
     def gather(self) -> None:
         if self.local is not None:
             self.kit.ready(self.buffer)
             self.local.Allgatherv(MPI.IN_PLACE, self._spec)
+
+
+def in_node(local: Optional[MPI.Comm]) -> Callable[[Any], NodeShard]:
+    """A mixer's ``shard``: each buffer cut into this local rank's shard of ``local``'s node."""
+    return lambda buffer: NodeShard(buffer, local)
 
 
 def exact_average(buffer, cross: MPI.Comm, local: Optional[MPI.Comm],
@@ -92,13 +116,13 @@ def exact_average(buffer, cross: MPI.Comm, local: Optional[MPI.Comm],
 
 def broadcast_in_node(value: Any) -> Any:
     """Local rank 0's ``value`` on every rank of this node (a rendezvous address, say)."""
-    return runtime.local_comm().bcast(value, root=0)
+    return place.local_comm().bcast(value, root=0)
 
 
 def gather_by_node(value: Any) -> list[list[Any]]:
     """Every rank's ``value``, grouped by node (cross rank), in local-rank order."""
-    entries = runtime.world_comm().allgather((runtime.cross_rank(), runtime.local_rank(), value))
-    nodes: list[list[Any]] = [[] for _ in range(runtime.cross_size())]
+    entries = place.world_comm().allgather((place.cross_rank(), place.local_rank(), value))
+    nodes: list[list[Any]] = [[] for _ in range(place.cross_size())]
     for node, _, v in sorted(entries, key=lambda e: (e[0], e[1])):
         nodes[node].append(v)
     return nodes

@@ -38,7 +38,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from hvd_sgp.common.choco import host_view
+from hvd_sgp.common.arrays import host_view
 from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.common.outer_steps import MomentumStep, OuterStep, parse
 from hvd_sgp.common.pushsum import allocate

@@ -31,7 +31,7 @@ from collections import deque
 from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.common.pushsum import PushSumMixer, Slot
 from hvd_sgp.common.timing import Timing
-from hvd_sgp.common.transport import Pending, ProgressEngine
+from hvd_sgp.common.transport_protocol import Pending, ProgressEngine
 
 
 class Overlap(Timing):

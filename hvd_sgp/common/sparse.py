@@ -22,18 +22,17 @@ message can be summed in whenever it arrives: sums commute, and the message name
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
-from hvd_sgp.common.choco import host_view
+from hvd_sgp.common.arrays import host_view
 from hvd_sgp.common.codecs import WEIGHT_BYTES, Codec, Draw, RandomKCodec
 from hvd_sgp.common.errors import SgpError, SgpValueError
-from hvd_sgp.common.mpi import MPI
-from hvd_sgp.common.pushsum import PushSumMixer, Slot
+from hvd_sgp.common.pushsum import Part, PushSumMixer, Slot
 from hvd_sgp.common.timing import Timing
 from hvd_sgp.common.topology import Topology
-from hvd_sgp.common.transport import Transport
+from hvd_sgp.common.transport_protocol import Transport
 
 SEED_BYTES = 8  # a message starts with the iteration whose draw it carries
 
@@ -44,10 +43,10 @@ class SparseMixer(PushSumMixer):
     weights move, i.e. on graphs that are not doubly stochastic, and under Overlap SGP)."""
 
     def __init__(self, buffer, topology: Topology, transport: Transport,
-                 local: Optional[MPI.Comm] = None, push_sum: bool = True,
+                 shard: Optional[Callable[[Any], Part]] = None, push_sum: bool = True,
                  codec: Optional[Codec] = None, weighted: Optional[bool] = None, *,
                  timing: Optional[Timing] = None):
-        super().__init__(host_view(buffer), topology, transport, local, push_sum, codec,
+        super().__init__(host_view(buffer), topology, transport, shard, push_sum, codec,
                          timing=timing)
         if not isinstance(self.codec, RandomKCodec):
             raise SgpValueError(f"random-k gossip needs the randomk codec, got {self.codec!r}")

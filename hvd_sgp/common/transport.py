@@ -1,4 +1,5 @@
-"""Point-to-point exchange of one fused buffer per peer per iteration, with a deadline.
+"""Point-to-point exchange of one fused buffer per peer per iteration over MPI, with a deadline
+(the Transport and ProgressEngine of transport_protocol.py).
 
 Every send and receive is non-blocking (Isend/Irecv on a private communicator, tagged with the
 iteration), and waits poll with a deadline, so a dead or frozen peer becomes a
@@ -9,82 +10,16 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
-from hvd_sgp.common import recovery, runtime
+from hvd_sgp.common import place, recovery
 from hvd_sgp.common.mpi import MPI
+from hvd_sgp.common.transport_protocol import Pending, TransportStats
 from hvd_sgp.common.waiting import Wait
+from hvd_sgp.common.world import track, untrack
 
 _TAG_SPACE = 32767  # the MPI standard guarantees tags up to this
 DEFAULT_TIMEOUT = 300.0  # seconds; the optimizers take theirs from the options table
-
-
-@dataclass
-class TransportStats:
-    """Cheap per-rank counters: kept always, read by telemetry."""
-
-    bytes_sent: int = 0
-    messages_sent: int = 0
-    wait_seconds: float = 0.0
-    last_wait_seconds: float = 0.0
-
-    def record_wait(self, seconds: float) -> None:
-        self.wait_seconds += seconds
-        self.last_wait_seconds = seconds
-
-
-@dataclass
-class Pending:
-    """Requests of one iteration still in flight, with who is on the other end."""
-
-    iteration: int
-    requests: list = field(default_factory=list)
-    peers: list = field(default_factory=list)
-    kinds: list = field(default_factory=list)  # "send" or "receive"
-    received: Any = None  # the caller's receive buffers, one row per source
-    complete: list = field(default_factory=list)  # per request, kept by Progress
-    added: set = field(default_factory=set)  # receive rows already summed in (overlap)
-    buffers: list = field(default_factory=list)  # alive until the requests complete
-    error: Any = None  # an MPI error the progress thread met on these requests
-
-    def sources(self) -> list[int]:
-        return [peer for peer, kind in zip(self.peers, self.kinds) if kind == "receive"]
-
-
-class Transport(Protocol):
-    """What a mixer needs of the network between nodes: post one iteration's sends and
-    receives, wait for them, and name a peer in errors. MPI (PeerTransport) and the simulator
-    (sim/network.py) implement it."""
-
-    rank: int
-    size: int
-    timeout: float
-    stats: TransportStats
-
-    def start(self, iteration: int, sends: Sequence[tuple[int, Any]],
-              receives: Sequence[tuple[int, Any]]) -> Pending: ...
-
-    def wait(self, pending: Pending) -> None: ...
-
-    def peer_name(self, peer: int) -> str: ...
-
-    def free(self) -> None: ...
-
-
-class ProgressEngine(Protocol):
-    """Moves an Overlap SGP iteration's messages while the node computes (Progress over MPI,
-    simulated time in the simulator); the mixer only reads ``pending.complete``."""
-
-    def submit(self, pending: Pending) -> None: ...
-
-    def wait_receives(self, pending: Pending) -> None: ...
-
-    def wait_sends(self, pending: Pending) -> None: ...
-
-    def wait_all(self, pending: Pending) -> None: ...
-
-    def close(self) -> None: ...
 
 
 def tag_of(iteration: int) -> int:
@@ -96,14 +31,14 @@ class PeerTransport:
 
     def __init__(self, comm: MPI.Comm, timeout: float | None = None):
         self.comm = comm.Dup()  # private: our tags never meet the user's messages
-        runtime.track(self.comm)  # revoked with the world when a peer is lost
+        track(self.comm)  # revoked with the world when a peer is lost
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.timeout = DEFAULT_TIMEOUT if timeout is None else timeout
         self.stats = TransportStats()
-        # errors name peers by launch rank (a replacement's: its own, runtime.origin_rank),
+        # errors name peers by launch rank (a replacement's: its own, place.origin_rank),
         # whatever communicator (cross-node) carries them
-        self.world_ranks = self.comm.allgather(runtime.origin_rank() if runtime.is_initialized()
+        self.world_ranks = self.comm.allgather(place.origin_rank() if place.is_initialized()
                                                else MPI.COMM_WORLD.Get_rank())
         self.timeline = None  # a telemetry.Timeline records the waits when set
 
@@ -163,7 +98,7 @@ class PeerTransport:
         return ", ".join(names) or "peers"
 
     def free(self) -> None:
-        runtime.untrack(self.comm)
+        untrack(self.comm)
         recovery.free(self.comm)
 
 

@@ -2,8 +2,8 @@
 
 The hot path's collectives (the in-node gradient sum, exact averages, gathers) stay blocking
 MPI calls: libnbc's non-blocking versions measured 1.4-2.3x slower. Instead, every blocking
-collective on a communicator that hvd_sgp derives from its world (``watched``) records what it
-is doing, and one thread per process checks those records against ``HVD_SGP_TIMEOUT``
+collective on a communicator that hvd_sgp derives from its world (``blocking.watched``) records
+what it is doing, and one thread per process checks those records against ``HVD_SGP_TIMEOUT``
 (``waiting``'s policy, applied from outside the blocked thread; a call outside any step of an
 optimizer, at start-up say, waits at least START_SECONDS, as ranks import frameworks and load
 data at different speeds):
@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any, NamedTuple, Optional
 
-from hvd_sgp.common import recovery, waiting
+from hvd_sgp.common import blocking, recovery, waiting
 from hvd_sgp.common.errors import on_rank
 from hvd_sgp.common.mpi import MPI
 
@@ -42,12 +42,10 @@ _OUTSIDE = "a collective outside any step"  # what a call not under ``doing`` is
 
 
 class _Watch:
-    """What this process's blocking calls are doing, and the thread that watches them."""
+    """The thread that watches this process's blocking calls (blocking.py), and the roll call."""
 
     def __init__(self) -> None:
         self.timeout = 300.0
-        self.calls: dict[int, list] = {}  # thread id -> [began, comm, call name, warned]
-        self.activity: dict[int, tuple] = {}  # thread id -> (what, iteration, since, owner)
         self.roll: Optional[MPI.Comm] = None  # the roll call's communicator (world-sized)
         self.group: Optional[MPI.Group] = None  # the world's, to name a communicator's ranks
         self.names: list = []  # world rank -> how errors name it (its launch rank)
@@ -59,64 +57,6 @@ class _Watch:
 
 
 _watch = _Watch()
-
-
-# --- watched communicators -------------------------------------------------------------------
-_BLOCKING = ("Allreduce", "allreduce", "Allgather", "Allgatherv", "allgather", "Bcast",
-             "bcast", "Barrier", "barrier", "Reduce", "reduce", "Gather", "Gatherv", "gather",
-             "Scatter", "scatter", "Alltoall", "Alltoallv", "alltoall", "Reduce_scatter",
-             "Dup", "Split", "Split_type", "Create", "Create_group")
-
-
-def _watching(name: str):
-    method = getattr(MPI.Intracomm, name)
-
-    def call(self, *args, **kwargs):
-        key = threading.get_ident()
-        _watch.calls[key] = [time.monotonic(), self, name, False]
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            _watch.calls.pop(key, None)
-
-    call.__name__ = name
-    call.__doc__ = f"MPI's {name}, under the watchdog's deadline."
-    return call
-
-
-WatchedComm = type("WatchedComm", (MPI.Intracomm,),
-                   {"__doc__": "An intracommunicator whose blocking collectives are watched "
-                               "(Dup and Split give watched ones too).",
-                    **{name: _watching(name) for name in _BLOCKING}})
-
-
-def watched(comm: MPI.Comm) -> MPI.Comm:
-    """``comm`` (the same handle) with its blocking collectives under the deadline."""
-    if isinstance(comm, WatchedComm) or comm == MPI.COMM_NULL or comm.Is_inter():
-        return comm
-    return WatchedComm(comm)
-
-
-class doing:
-    """Name what this thread is doing (a context manager), for the watchdog's messages: 'the
-    gradient sum' at iteration 5, say; ``owner``: the optimizer's engine whose step it is (its
-    serial, equal on every rank), so that ranks in different parts of one engine's step show
-    up as such (checkpoint.out_of_step)."""
-
-    __slots__ = ("entry", "key", "previous", "owner")
-
-    def __init__(self, what: str, iteration: Optional[int] = None, owner: Optional[int] = None):
-        self.entry, self.key, self.owner = (what, iteration), threading.get_ident(), owner
-
-    def __enter__(self) -> None:
-        self.previous = _watch.activity.get(self.key)
-        _watch.activity[self.key] = (*self.entry, time.monotonic(), self.owner)
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.previous is None:
-            _watch.activity.pop(self.key, None)
-        else:
-            _watch.activity[self.key] = self.previous
 
 
 # --- the thread ------------------------------------------------------------------------------
@@ -160,7 +100,7 @@ def _run() -> None:
                 _serve(answers=True)
             if recovery.own_deadline():
                 continue
-            for key, call in list(_watch.calls.items()):
+            for key, call in list(blocking.calls.items()):
                 _check(key, call)
         except MPI.Exception:  # noqa: PERF203  (a communicator freed under us at shutdown)
             if _watch.stop.is_set():
@@ -171,7 +111,7 @@ def _run() -> None:
 def _check(key: int, call: list) -> None:
     began, comm, name, warned = call
     waited = time.monotonic() - began
-    activity = _watch.activity.get(key)
+    activity = blocking.activity.get(key)
     timeout = _watch.timeout if activity is not None else max(_watch.timeout, START_SECONDS)
     if waited < waiting.STALL_FRACTION * timeout or (warned and waited < timeout):
         return
@@ -183,7 +123,7 @@ def _check(key: int, call: list) -> None:
                               f"{roll_call()}; the job fails after {timeout:.0f} s")
         return
     if recovery.enabled():
-        _watch.calls.pop(key, None)
+        blocking.calls.pop(key, None)
         recovery.lost(f"waited {timeout:.0f} s {place} (HVD_SGP_TIMEOUT)")
         return
     _end_job(f"waited {timeout:.0f} s {place} over {_members(comm)}: {roll_call()} "
@@ -232,12 +172,12 @@ class Status(NamedTuple):
 def _status() -> Optional[Status]:
     """What this rank is doing, for another rank's roll call (None: it computes)."""
     now = time.monotonic()
-    calls = list(_watch.calls.items())
+    calls = list(blocking.calls.items())
     if calls:
         key, (began, _, name, _) = calls[0]
-        what, iteration, _, owner = _watch.activity.get(key, (_OUTSIDE, None, 0.0, None))
+        what, iteration, _, owner = blocking.activity.get(key, (_OUTSIDE, None, 0.0, None))
         return Status(what, name, iteration, now - began, owner)
-    activities = list(_watch.activity.values())
+    activities = list(blocking.activity.values())
     if not activities:
         return None
     what, iteration, began, owner = activities[0]

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from hvd_sgp.common import planners, recovery
+from hvd_sgp.common.blocking import watched
 from hvd_sgp.common.mpi import MPI
-from hvd_sgp.common.watchdog import watched
 
 
 class World:

@@ -21,7 +21,7 @@ from hvd_sgp.common.mixers import build
 from hvd_sgp.common.pushsum import PushSumMixer, drain, exchange
 from hvd_sgp.common.sparse import SparseMixer
 from hvd_sgp.common.topology import Topology, make_topology
-from hvd_sgp.common.transport import Pending, TransportStats
+from hvd_sgp.common.transport_protocol import Pending, TransportStats
 
 Key = tuple[int, int, int]  # (source, destination, iteration)
 

@@ -24,7 +24,7 @@ from hvd_sgp.common.horovod_api.basics import *  # noqa: F401,F403  (Horovod's f
 from hvd_sgp.common.horovod_api.basics import (Average, ProcessSet, ReduceOp, Sum,
                                                global_process_set, resolve_op)
 from hvd_sgp.common.horovod_api.basics import __all__ as _basics
-from hvd_sgp.common.horovod_api.collectives import Handle
+from hvd_sgp.common.horovod_api.negotiation import Handle
 from hvd_sgp.torch.compression import Compression
 
 

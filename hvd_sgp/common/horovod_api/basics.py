@@ -9,8 +9,9 @@ from hvd_sgp.common import runtime, telemetry
 from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.common.horovod_api import collectives, negotiation
 from hvd_sgp.common.horovod_api import process_sets as sets
-from hvd_sgp.common.horovod_api.collectives import Handle, ReduceOp, barrier, submit
+from hvd_sgp.common.horovod_api.collectives import ReduceOp, barrier, submit
 from hvd_sgp.common.horovod_api.join import join
+from hvd_sgp.common.horovod_api.negotiation import Handle
 from hvd_sgp.common.horovod_api.process_sets import ProcessSet, global_process_set
 from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.runtime import (cross_rank, cross_size, is_initialized, local_rank,

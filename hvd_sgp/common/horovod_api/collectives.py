@@ -25,11 +25,11 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from hvd_sgp.common import runtime
+from hvd_sgp.common import place
 from hvd_sgp.common.errors import HorovodInternalError, SgpValueError
 from hvd_sgp.common.horovod_api import negotiation, process_sets
-from hvd_sgp.common.horovod_api.negotiation import (Controller, Kind, Operation, Request,
-                                                    TensorSpec)
+from hvd_sgp.common.horovod_api.negotiation import (Controller, Handle, Kind, Operation,
+                                                    Request, TensorSpec)
 from hvd_sgp.common.horovod_api.process_sets import ProcessSet, global_process_set
 from hvd_sgp.common.mpi import MPI
 
@@ -61,25 +61,6 @@ def check_op(op: Any) -> ReduceOp:
         raise SgpValueError("op=Adasum is not offered by hvd_sgp: SGP already replaces the "
                             "gradient allreduce; use op=Average (the default)")
     return op
-
-
-class Handle:
-    """A collective in flight: ``done()`` polls it, ``wait()`` returns its result or raises
-    its error (the same one on every rank of the set)."""
-
-    def __init__(self, op: Operation, transform: Callable[[Any], Any] = lambda r: r):
-        self._op = op
-        self._transform = transform
-
-    def done(self) -> bool:
-        negotiation.progress_all()
-        return self._op.done
-
-    def wait(self) -> Any:
-        negotiation.wait_until(lambda: self._op.done)
-        if self._op.error is not None:
-            raise self._op.error
-        return self._transform(self._op.result)
 
 
 # --- dtypes and scaling --------------------------------------------------------------------
@@ -475,7 +456,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
     takes the set's next unnamed-op name (Horovod names it by the object's type, which hangs
     when root passes a dict and the others None)."""
     base = name or process_sets.controller(process_set).next_name()
-    me = runtime.rank()
+    me = place.rank()
     payload = np.frombuffer(dumps(obj), np.uint8) if me == root_rank else None
     size = np.array([0 if payload is None else payload.size], np.int64)
     size = grouped_broadcast_async([size], root_rank, f"{base}.sz", process_set).wait()[0]

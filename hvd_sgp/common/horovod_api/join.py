@@ -36,13 +36,13 @@ from typing import Callable, Protocol
 
 import numpy as np
 
+from hvd_sgp.common.blocking import doing
 from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.common.horovod_api import negotiation, process_sets
-from hvd_sgp.common.horovod_api.collectives import Handle
-from hvd_sgp.common.horovod_api.negotiation import JOIN, Kind, Request
+from hvd_sgp.common.horovod_api.negotiation import JOIN, Handle, Kind, Request
 from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.waiting import Wait
-from hvd_sgp.common.watchdog import doing, roll_call
+from hvd_sgp.common.watchdog import roll_call
 
 
 class JoinParticipant(Protocol):

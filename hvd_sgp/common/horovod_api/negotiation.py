@@ -30,7 +30,7 @@ In fault-tolerant mode (recovery.py) a lost peer met by any MPI call here breaks
 controller the same way with PeerLostError (a HorovodInternalError) and revokes every hvd_sgp
 communicator, these controllers' included (they are tracked by the runtime), so the ranks
 waiting on a live coordinator learn too; the repair then replaces every controller
-(process_sets subscribes to runtime.on_world_change).
+(process_sets subscribes to world.on_world_change).
 """
 from __future__ import annotations
 
@@ -42,11 +42,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Optional
 
-from hvd_sgp.common import recovery, runtime
+from hvd_sgp.common import recovery
 from hvd_sgp.common.errors import (CollectiveTimeoutError, HorovodInternalError, PeerLostError,
                                    SgpValueError)
 from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.waiting import Wait
+from hvd_sgp.common.world import untrack
 
 TAG_REQUEST, TAG_RESPONSE = 1, 2
 SPIN_SECONDS = 1e-3  # a waiter polls back to back while something moved this recently
@@ -163,6 +164,25 @@ class Operation:
 
     def finish(self, result: Any = None, error: Optional[BaseException] = None) -> None:
         self.result, self.error, self.done = result, error, True
+
+
+class Handle:
+    """A collective in flight: ``done()`` polls it, ``wait()`` returns its result or raises
+    its error (the same one on every rank of the set)."""
+
+    def __init__(self, op: Operation, transform: Callable[[Any], Any] = lambda r: r):
+        self._op = op
+        self._transform = transform
+
+    def done(self) -> bool:
+        progress_all()
+        return self._op.done
+
+    def wait(self) -> Any:
+        wait_until(lambda: self._op.done)
+        if self._op.error is not None:
+            raise self._op.error
+        return self._transform(self._op.result)
 
 
 class _Entry:
@@ -566,7 +586,7 @@ class Controller:
         self._break(f"process set {self.set_id} was removed or hvd_sgp was shut down",
                     notify=False, error=HorovodInternalError)
         self.closed = True
-        runtime.untrack(self.comm)
+        untrack(self.comm)
         recovery.free(self.comm)
 
 

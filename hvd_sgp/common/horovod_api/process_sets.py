@@ -7,7 +7,7 @@ private duplicate of it. Set 0 is the global set. Adding and removing a set is c
 over all ranks and negotiated on the global set, so every rank registers the same sets under
 the same ids, or every rank fails with the same error.
 
-After a repair of the world (fault-tolerant mode, runtime.on_world_change) every set is
+After a repair of the world (fault-tolerant mode, world.on_world_change) every set is
 dropped and the global set reopened on the survivors: the other sets named ranks by the old
 numbering, and some of them are gone (re-add them in an elastic reset callback).
 """
@@ -16,12 +16,13 @@ from __future__ import annotations
 import os
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
-from hvd_sgp.common import recovery, runtime
+from hvd_sgp.common import place, recovery
 from hvd_sgp.common.errors import CollectiveTimeoutError, NotInitializedError, SgpValueError
 from hvd_sgp.common.horovod_api import negotiation
 from hvd_sgp.common.horovod_api.negotiation import Controller, Kind, Settings
 from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.waiting import Wait
+from hvd_sgp.common.world import WorldChange, on_world_change, track
 
 
 class ProcessSet:
@@ -56,11 +57,11 @@ class ProcessSet:
         None while not registered or when this process is not in the set."""
         if self.process_set_id is None or not self.included():
             return None
-        return self.ranks.index(runtime.rank())
+        return self.ranks.index(place.rank())
 
     def included(self) -> Optional[bool]:
         """Whether this process is in the set; None while its ranks are unknown."""
-        return None if self.ranks is None else runtime.rank() in self.ranks
+        return None if self.ranks is None else place.rank() in self.ranks
 
     def __repr__(self) -> str:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
@@ -88,7 +89,7 @@ def start(settings: Settings) -> None:
         return
     stop()
     global _world
-    world = runtime.world_comm()
+    world = place.world_comm()
     n = world.Get_size()
     negotiation.controllers[0] = Controller(_dup(world, settings.timeout), 0, range(n), settings)
     host = world.Split_type(MPI.COMM_TYPE_SHARED)
@@ -98,10 +99,10 @@ def start(settings: Settings) -> None:
     global_process_set.ranks = list(range(n))
     _world = world
     if not _subscription:
-        _subscription.append(runtime.on_world_change(_world_changed))
+        _subscription.append(on_world_change(_world_changed))
 
 
-def _world_changed(change: "runtime.WorldChange") -> None:
+def _world_changed(change: WorldChange) -> None:
     """A repair replaced the world: drop every set (their communicators held the old
     ranks) and open the global set on the survivors, with the same settings. Called on every
     survivor by runtime.repair, so the collective start lines up; idempotent."""
@@ -112,7 +113,7 @@ def _world_changed(change: "runtime.WorldChange") -> None:
 
 
 def started() -> bool:
-    return _world is not None and runtime.is_initialized() and runtime.world_comm() is _world
+    return _world is not None and place.is_initialized() and place.world_comm() is _world
 
 
 def stop() -> None:
@@ -129,7 +130,7 @@ def ensure_started() -> None:
     """Start on first use when the runtime was started without hvd.init() (e.g. by
     hvd_sgp.DistributedOptimizer); every rank reaches it at its first collective."""
     if not started():
-        if not runtime.is_initialized():
+        if not place.is_initialized():
             raise NotInitializedError()
         start(Settings.from_environ())
 
@@ -168,7 +169,7 @@ def _registered_id(process_set: Any) -> int:
 
 def problem_with(ranks: Sequence[int]) -> str:
     """Why ``ranks`` cannot become a new set ('' when it can)."""
-    n = runtime.size()
+    n = place.size()
     if not ranks:
         return "a process set needs at least one rank"
     if len(set(ranks)) != len(ranks):
@@ -193,7 +194,7 @@ def adopt(process_set: ProcessSet, sid: int) -> None:
 
 def world_ranks_of(comm: MPI.Comm) -> list:
     """The global ranks of an mpi4py communicator's members."""
-    group, world = comm.Get_group(), runtime.world_comm().Get_group()
+    group, world = comm.Get_group(), place.world_comm().Get_group()
     ranks = MPI.Group.Translate_ranks(group, list(range(comm.Get_size())), world)
     if any(r == MPI.UNDEFINED for r in ranks):
         raise SgpValueError("a ProcessSet communicator must only hold ranks of hvd_sgp's world")
@@ -203,7 +204,7 @@ def world_ranks_of(comm: MPI.Comm) -> list:
 def _dup(comm: MPI.Comm, timeout: float) -> MPI.Comm:
     """A private duplicate of ``comm``, waiting for the other ranks under the deadline."""
     new, request = comm.Idup()
-    runtime.track(new)  # revoked with the world when a peer is lost (fault-tolerant mode)
+    track(new)  # revoked with the world when a peer is lost (fault-tolerant mode)
     Wait("the start of hvd_sgp's collectives", lambda: "the ranks that have not started them",
          timeout, error=CollectiveTimeoutError, hint="(call hvd.init() on every rank)").until(
              request.Test)

