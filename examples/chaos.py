@@ -58,7 +58,8 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=10.0, help="HVD_SGP_TIMEOUT for the ranks")
     p.add_argument("--gap", type=int, default=3, help="steps on the whole world between "
                    "failures")
-    p.add_argument("--stop-seconds", type=float, default=8.0)
+    p.add_argument("--stop-seconds", type=float, default=20.0, help="how long a frozen rank "
+                   "stays frozen (longer than the detector timeout: it is declared dead)")
     p.add_argument("--hang-seconds", type=float, default=60.0)
     p.add_argument("--start-seconds", type=float, default=600.0, help="how long the first "
                    "step may take (8 ranks importing torch on a loaded machine)")
@@ -116,6 +117,8 @@ def ranks(run_dir: str) -> dict:
     found = {}
     folder = os.path.join(run_dir, "ranks")
     for name in os.listdir(folder) if os.path.isdir(folder) else ():
+        if not name.isdigit():  # a report being written
+            continue
         try:
             with open(os.path.join(folder, name)) as f:
                 info = json.load(f)
