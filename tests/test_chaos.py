@@ -33,6 +33,9 @@ def test_fault_tolerant_transports_and_exit_policy():
     assert "--prtemca state_base_error_non_zero_exit 0" in joined
     with_tcp = command(["-np", "4", "--fault-tolerant", "--tcp", "python", "x"])
     assert with_tcp.count("btl") == 1 and "self,tcp" in with_tcp
+    own = command(["-np", "4", "--fault-tolerant", "--mpi-args=--mca btl self,sm,tcp",
+                   "python", "x"])
+    assert own.count("btl") == 1 and "self,sm,tcp" in own  # the user's choice, alone
     plain = " ".join(command(["-np", "4", "--tcp", "python", "x"]))
     assert "btl self,sm,tcp" in plain and "error_non_zero_exit" not in plain
 
