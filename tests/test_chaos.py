@@ -67,3 +67,29 @@ def test_reduced_chaos_run(tmp_path):
     assert summary["failures"] >= 6, summary  # an order whose moment never came is withdrawn
     assert summary["ledger_checks"] >= 2 and not summary["ledger_bad"]
     assert summary["result"]["size"] == 4 and summary["result"]["accuracy"] > 0.85, summary
+
+
+def test_sgprun_names_the_lost_ranks_when_mpirun_counts_none(tmp_path, capsys):
+    """PRRTE no longer counts non-zero exits, so mpirun's status is 0 after a loss: sgprun
+    still says which ranks were lost (and nothing when none was)."""
+    from hvd_sgp.common import fault_record
+    from hvd_sgp.runner import launch
+    env = {fault_record.VARIABLE: str(tmp_path)}
+    for rank in range(3):
+        fault_record.write("started", rank, env)
+    for rank in (0, 1):
+        fault_record.write("finished", rank, env)
+    fault_record.write("failed", 2, env)
+    for rank in (0, 1):
+        fault_record.write("lost 2", rank, env)
+    assert launch.fault_tolerant_status(0, str(tmp_path), 3) == 0
+    err = capsys.readouterr().err
+    assert "training completed on 2 ranks; rank(s) [2] were lost and excluded" in err
+    assert "mpirun's status" not in err
+    quiet = tmp_path / "quiet"
+    quiet.mkdir()
+    for rank in range(2):
+        fault_record.write("started", rank, {fault_record.VARIABLE: str(quiet)})
+        fault_record.write("finished", rank, {fault_record.VARIABLE: str(quiet)})
+    assert launch.fault_tolerant_status(0, str(quiet), 2) == 0
+    assert capsys.readouterr().err == ""

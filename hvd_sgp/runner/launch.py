@@ -480,10 +480,13 @@ def fault_tolerant_status(status: int, records: str, ranks: int) -> int:
         return status  # /tmp); replacements (--max-np) add records of their own
     if not verdict.completed:
         return status or 1
-    if status == 0:
+    happened = _what_happened(verdict)
+    if status == 0 and not happened:
         return 0
-    print(f"sgprun: training completed on {len(verdict.finished)} ranks; "
-          f"{_what_happened(verdict)} (mpirun's status {status} counts them)",
+    # (mpirun's status is 0 when every lost rank was killed or exited non-zero: PRRTE is
+    # told not to count non-zero exits, see fault_tolerant_options)
+    counted = f" (mpirun's status {status} counts them)" if status else ""
+    print(f"sgprun: training completed on {len(verdict.finished)} ranks; {happened}{counted}",
           file=sys.stderr, flush=True)
     return 0
 
