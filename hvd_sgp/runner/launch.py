@@ -393,9 +393,10 @@ def fault_tolerant_options(args: argparse.Namespace) -> list[str]:
     for a failure and spreads it), the shared-memory transport never does; so ranks on one
     host talk TCP here (``btl ^sm``), unless the user chose the transports (--tcp, or
     ``--mca btl`` in --mpi-args: shared memory moves 100 MB 7x faster on one host, and a
-    rank gone by os._exit is then found after the detector's timeout). And PRRTE by default ends the whole job at the second
-    rank that exits non-zero, silently (Open MPI 5.0.11); ``error_non_zero_exit 0`` stops
-    that (sgprun's status comes from the ranks' own records, fault_record.py)."""
+    rank gone by os._exit is then found after the detector's timeout). And PRRTE by default
+    ends the whole job at the second rank that exits non-zero, silently (Open MPI 5.0.11);
+    ``error_non_zero_exit 0`` stops that (sgprun's status comes from the ranks' own records,
+    fault_record.py)."""
     timeout = (args.detector_timeout if args.detector_timeout is not None
                else BY_NAME["detector_timeout"].default)
     given = shlex.split(args.mpi_args or "")
