@@ -55,8 +55,9 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--detector-timeout", type=float, default=None, help="sgprun's (default: "
                    "sgprun's own)")
-    p.add_argument("--timeout", type=float, default=30.0, help="HVD_SGP_TIMEOUT for the ranks "
-                   "(a wait past it revokes the world: a repair that finds nobody lost)")
+    p.add_argument("--timeout", type=float, default=10.0, help="HVD_SGP_TIMEOUT for the ranks "
+                   "(a frozen rank is excluded after it; at load 50 a slow wait past it "
+                   "revokes the world for nothing: a repair that finds nobody lost)")
     p.add_argument("--gap", type=int, default=3, help="steps on the whole world between "
                    "failures")
     p.add_argument("--stop-seconds", type=float, default=20.0, help="how long a frozen rank "
