@@ -96,7 +96,7 @@ def wrap(cls, name: str, moment) -> None:
 
 wrap(engine.GossipEngine, "reduce_gradients", lambda self: "in-node")
 wrap(engine.GossipEngine, "end_step",
-     lambda self: "allreduce" if self.mode == "allreduce" else "gossip")
+     lambda self: "allreduce" if self.stage.mode == "allreduce" else "gossip")
 
 digits = load_digits()
 x = torch.tensor(digits.data / 16.0, dtype=torch.float32)
