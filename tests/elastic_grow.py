@@ -3,7 +3,9 @@ test_elastic.py.
 
 An elastic training function in Horovod's idiom (hvd.elastic.run, TorchState, a commit per
 step). ``--kill ORIGIN:STEP`` makes the process launched as rank ORIGIN die at that step
-(os._exit(1) for the first, SIGKILL after: see elastic_checks.py); the survivors repair, spawn
+(os._exit(1) for the first, SIGKILL after: see elastic_checks.py), or just before the
+``hvd.join()`` that ``--join-every K`` puts after every K steps (``--kill-in-join``, so that
+the replacement's first use of the optimizer is a join()); the survivors repair, spawn
 a replacement, which runs this same script from the top and joins at the survivors'
 ``state.sync()``. Every (re)entry of the training function checks what the join promises:
 every rank holds rank 0's parameters and PushSum weight 1, so the weights sum to the world's
@@ -27,8 +29,11 @@ parser.add_argument("--steps", type=int, default=20)
 parser.add_argument("--kill", action="append", default=[], metavar="ORIGIN:STEP")
 parser.add_argument("--lr-zero", action="store_true")
 parser.add_argument("--overlap", action="store_true")
+parser.add_argument("--join-every", type=int, default=0, metavar="K")
+parser.add_argument("--kill-in-join", action="append", default=[], metavar="ORIGIN:STEP")
 args = parser.parse_args()
 kills = {tuple(int(x) for x in item.split(":")) for item in args.kill}
+kills_in_join = {tuple(int(x) for x in item.split(":")) for item in args.kill_in_join}
 
 began = time.time()
 hvd.init()
@@ -46,7 +51,7 @@ optimizer = hvd.DistributedOptimizer(
     torch.optim.SGD(model.parameters(), lr=0.0 if args.lr_zero else 0.01),
     named_parameters=model.named_parameters(), overlap=args.overlap or None,
     max_delay=2 if args.overlap else None)
-state = hvd.elastic.TorchState(model, optimizer, step=0)
+state = hvd.elastic.TorchState(model, optimizer, step=0, joined=0)
 entries = []  # (step, world size, sum of z) at each entry of the training function
 
 
@@ -60,7 +65,7 @@ def weight() -> float:
 
 def die() -> None:
     print(f"grow: origin {origin} dies at step {state.step} at {time.time():.3f}", flush=True)
-    if (origin, state.step) != min(kills, key=lambda kill: kill[1]):
+    if (origin, state.step) != min(kills | kills_in_join, key=lambda kill: kill[1]):
         os.kill(os.getpid(), signal.SIGKILL)
     os._exit(1)
 
@@ -84,6 +89,12 @@ def train(state):
     joined = len(entries) > 1 or replacement
     gen = torch.Generator().manual_seed(1000 * origin + state.step)
     while state.step < args.steps:
+        if args.join_every and state.step % args.join_every == 0 and state.joined < state.step:
+            if (origin, state.step) in kills_in_join:
+                die()
+            hvd.join()  # (every rank has as many steps: nobody is served, all must get here)
+            state.joined = state.step
+            state.commit()
         if (origin, state.step) in kills:
             die()
         optimizer.zero_grad()

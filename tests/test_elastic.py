@@ -112,6 +112,18 @@ def test_grow_back_replaces_a_lost_rank_and_keeps_the_mass():
           f"{kill_to_back(output, 2):.2f} s")
 
 
+def test_grow_back_when_a_rank_dies_before_join():
+    """Two-rank nodes, hvd.join() after every 5 steps: rank 3 dies (os._exit) just before the
+    join at step 10. The replacement's first use of the optimizer is that join(), where the
+    survivors' engines have stood aside: nobody serves, the engines start together at the
+    next step. (Before, the replacement alone started its engine inside join(), a collective
+    the survivors never reached: a stall, then repairs that found nobody lost.)"""
+    proc = grow(4, "2", "--join-every", "5", "--kill-in-join", "3:10")
+    output = expect_passed(proc, "grow checks passed on 4 ranks")
+    assert "1 replacement(s) joined (rank(s) [3]): back to 4 ranks" in output, output[-3000:]
+    assert "lost rank(s) []" not in output, output[-3000:]
+
+
 def test_grow_back_twice_in_two_rank_nodes_rank_0_lost():
     """Two nodes of two ranks, training: rank 0 dies at step 4 (the lowest survivor takes
     rank 0, whose state the sync sends; the replacement takes its rank, on rank 0's node),

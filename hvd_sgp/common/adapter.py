@@ -219,7 +219,11 @@ class _JoinServer:
     rank out of data keeps stepping its optimizers with zero gradients, its own parameters
     and its own weight, so the peers' gradient sums count only the ranks with data and their
     gossip rounds find a partner. Sessions are held weakly (a dropped optimizer is not
-    served; join() collects garbage first so that every rank serves the same ones). Several
+    served; join() collects garbage first so that every rank serves the same ones). Only
+    running engines are served: after replacements joined, a survivor's engine has stood
+    aside and a replacement's has not started, on every rank alike, and each starts at its
+    next use (starting one inside join() would be a collective that ranks already answered
+    by the coordinator never reach). Several
     optimizers must step equally often: one iteration count is agreed for all."""
 
     instance: Optional["_JoinServer"] = None
@@ -240,7 +244,8 @@ class _JoinServer:
             gc.collect()
             self.collected = True
         self.sessions = [ref for ref in self.sessions if ref() is not None]
-        return [s for s in (ref() for ref in self.sessions) if s is not None and not s.closed]
+        return [s for s in (ref() for ref in self.sessions)
+                if s is not None and s.started and not s.closed]
 
     def serve(self, poll: Callable[[], object]) -> bool:
         served = False
@@ -249,7 +254,7 @@ class _JoinServer:
         return served
 
     def started_iteration(self) -> int:
-        return max([s.engine.join.started_iteration() for s in self.live() if s.started], default=0)
+        return max([s.engine.join.started_iteration() for s in self.live()], default=0)
 
     def finish(self, last: int, poll: Callable[[], object]) -> None:
         try:
