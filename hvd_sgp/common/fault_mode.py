@@ -124,15 +124,17 @@ def _finalize() -> None:
     timeout while Python tears down would be declared dead), and must not race it.
 
     After a repair, Open MPI 5.0's MPI_Finalize sometimes never returns (holding the GIL, so
-    no Python thread can act): training is over and this rank's record says so, so an alarm
-    set with the default action ends the process past a deadline (a death by signal, which
-    the runtime does not count as an error in fault-tolerant mode)."""
+    no Python thread can act), and it never returns while the head process (mpirun/prterun)
+    is frozen or unreachable (its PMIx fence waits for it): training is over and this rank's
+    record says so, so an alarm set with the default action ends the process past a
+    deadline (a death by signal, which the runtime does not count as an error in
+    fault-tolerant mode)."""
     status.stop.set()
     if status.watchdog is not None:
         status.watchdog.join(timeout=5)
     if not MPI.Is_initialized() or MPI.Is_finalized():
         return
-    if status.repairs or status.replacement:
+    if status.enabled:
         sys.stdout.flush()
         sys.stderr.flush()
         signal.signal(signal.SIGALRM, signal.SIG_DFL)

@@ -364,7 +364,9 @@ def _openmpi_options(args: argparse.Namespace, site: Site, job_env: Mapping[str,
         options += ["--mca", "btl_tcp_if_include", args.nic]
     if args.tcp:
         shared_memory = "sm" if site.major >= 5 else "vader"  # renamed in Open MPI 5
-        options += ["--mca", "pml", "ob1", "--mca", "btl", f"self,{shared_memory},tcp"]
+        # --fault-tolerant leaves shared memory out (see fault_tolerant_options).
+        transports = "self,tcp" if args.fault_tolerant else f"self,{shared_memory},tcp"
+        options += ["--mca", "pml", "ob1", "--mca", "btl", transports]
     if args.prefix_output_with_timestamp:
         options += ["--output", "timestamp"] if site.major >= 5 else ["--timestamp-output"]
     if args.output_filename:
@@ -381,14 +383,32 @@ def fault_tolerant_options(args: argparse.Namespace) -> list[str]:
     heartbeat detector (period a quarter of its timeout, as ULFM requires < 1/3). The PRRTE
     defaults make every job recoverable, also those MPI_Comm_spawn starts (replacements,
     newcomers), which --with-ft alone leaves to end all their processes when one of them dies
-    or leaves without MPI_Finalize (Open MPI 5.0 passes no runtime option through a spawn)."""
+    or leaves without MPI_Finalize (Open MPI 5.0 passes no runtime option through a spawn).
+
+    How fast a lost rank is found (measured in docs/faults.md): PRRTE reports a rank killed
+    by a signal, or one that exits 0 without MPI_Finalize, to the survivors at once, but one
+    that exits non-zero without it (a crash through os._exit(1)) not at all: only the
+    heartbeat detector finds it, after its timeout. A TCP connection does find it at once
+    (the kernel closes the dead process's sockets, and ULFM takes the error on a connection
+    for a failure and spreads it), the shared-memory transport never does; so ranks on one
+    host talk TCP here (``btl ^sm``), unless the user chose the transports (--tcp, or
+    ``--mca btl`` in --mpi-args: shared memory moves 100 MB 7x faster on one host, and a
+    rank gone by os._exit is then found after the detector's timeout). And PRRTE by default
+    ends the whole job at the second rank that exits non-zero, silently (Open MPI 5.0.11);
+    ``error_non_zero_exit 0`` stops that (sgprun's status comes from the ranks' own records,
+    fault_record.py)."""
     timeout = (args.detector_timeout if args.detector_timeout is not None
                else BY_NAME["detector_timeout"].default)
+    given = shlex.split(args.mpi_args or "")
+    chosen = args.tcp or any(flag in ("--mca", "-mca") and name == "btl"
+                             for flag, name in zip(given, given[1:]))
+    transports = [] if chosen else ["--mca", "btl", "^sm"]
     return ["--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true",
             "--mca", "mpi_ft_detector_timeout", f"{timeout:g}",
-            "--mca", "mpi_ft_detector_period", f"{timeout / 4:g}",
+            "--mca", "mpi_ft_detector_period", f"{timeout / 4:g}", *transports,
             "--prtemca", "state_base_recoverable", "1",
-            "--prtemca", "state_base_notify_errors", "1"]
+            "--prtemca", "state_base_notify_errors", "1",
+            "--prtemca", "state_base_error_non_zero_exit", "0"]
 
 
 def _hydra_options(args: argparse.Namespace, job_env: Mapping[str, str]) -> list[str]:
@@ -461,10 +481,13 @@ def fault_tolerant_status(status: int, records: str, ranks: int) -> int:
         return status  # /tmp); replacements (--max-np) add records of their own
     if not verdict.completed:
         return status or 1
-    if status == 0:
+    happened = _what_happened(verdict)
+    if status == 0 and not happened:
         return 0
-    print(f"sgprun: training completed on {len(verdict.finished)} ranks; "
-          f"{_what_happened(verdict)} (mpirun's status {status} counts them)",
+    # (mpirun's status is 0 when every lost rank was killed or exited non-zero: PRRTE is
+    # told not to count non-zero exits, see fault_tolerant_options)
+    counted = f" (mpirun's status {status} counts them)" if status else ""
+    print(f"sgprun: training completed on {len(verdict.finished)} ranks; {happened}{counted}",
           file=sys.stderr, flush=True)
     return 0
 

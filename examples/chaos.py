@@ -1,0 +1,391 @@
+"""A chaos run: training under ``sgprun --fault-tolerant --max-np`` while ranks die at random.
+
+    python examples/chaos.py --np 8 --local-size 2 --failures 200 --out /tmp/chaos
+
+launches examples/chaos_train.py (digits, Horovod's elastic API, a commit per step) and, one
+after another, orders a random rank to die: how (SIGKILL, ``os._exit(1)``, SIGSTOP), who (any
+rank, rank 0, a node's local master, the replacement spawned last, a survivor while the others
+repair) and when (between steps, in the in-node reduce, the SGP exchange, an AllReduce stage,
+a Horovod collective, ``hvd.join()``, a commit). A frozen rank is resumed ``--stop-seconds``
+later (it then finds itself excluded and leaves). The next failure comes once the world is
+whole again and a few steps have passed.
+
+The run fails when no step completes for ``--hang-seconds`` (60), when the PushSum weights do
+not sum to the world's size at any entry of the training function or at the end (a message
+counted twice adds weight), or when sgprun's status is not 0. It prints, and writes to
+``OUT/summary.json``: the failures by kind, victim and moment, recovery time (a death to the
+first step completed after it) p50/p95 per kind, final accuracy, and goodput (useful steps x a
+failure-free step time / wall time); ``--baseline`` runs the same without failures first and
+compares the accuracies. ``--plot`` draws world size and loss over time (matplotlib).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from typing import Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+KINDS = ("kill", "exit", "stop")
+MOMENTS = ("step", "in-node", "gossip", "allreduce", "collective", "join", "commit")
+ORDER_SECONDS = 30.0
+VICTIMS = ("any", "rank0", "local-master", "replacement", "mid-repair")
+
+
+class ChaosFailed(RuntimeError):
+    """The run broke a promise: a hang, a wrong mass, a failed job."""
+
+
+def parse(argv: Optional[list] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--np", type=int, default=8)
+    p.add_argument("--local-size", type=int, default=1, help="ranks per SGP node (1 or 2)")
+    p.add_argument("--failures", type=int, default=20)
+    p.add_argument("--no-replace", action="store_true", help="without --max-np: the world "
+                   "shrinks by one each failure, to 3 ranks (the repair alone, no spawn)")
+    p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--moments", default=",".join(MOMENTS))
+    p.add_argument("--victims", default=",".join(VICTIMS))
+    p.add_argument("--epochs", type=int, default=30)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--detector-timeout", type=float, default=None, help="sgprun's (default: "
+                   "sgprun's own)")
+    p.add_argument("--timeout", type=float, default=10.0, help="HVD_SGP_TIMEOUT for the ranks "
+                   "(a frozen rank is excluded after it; at load 50 a slow wait past it "
+                   "revokes the world for nothing: a repair that finds nobody lost)")
+    p.add_argument("--gap", type=int, default=3, help="steps on the whole world between "
+                   "failures")
+    p.add_argument("--stop-seconds", type=float, default=20.0, help="how long a frozen rank "
+                   "stays frozen (longer than the detector timeout: it is declared dead)")
+    p.add_argument("--hang-seconds", type=float, default=60.0)
+    p.add_argument("--start-seconds", type=float, default=600.0, help="how long the first "
+                   "step may take (8 ranks importing torch on a loaded machine)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--baseline", action="store_true", help="a failure-free run first")
+    p.add_argument("--plot", action="store_true")
+    p.add_argument("--out", default="/tmp/hvd_sgp_chaos")
+    args = p.parse_args(argv)
+    for name, allowed in (("kinds", KINDS), ("moments", MOMENTS), ("victims", VICTIMS)):
+        chosen = getattr(args, name).split(",")
+        wrong = [c for c in chosen if c not in allowed]
+        if wrong:
+            p.error(f"--{name}: {wrong} not in {allowed}")
+        setattr(args, name, chosen)
+    if args.np < 3:
+        p.error("--np must be at least 3 (a victim and two survivors)")
+    return args
+
+
+def schedule(epochs: int) -> str:
+    """1-peer SGP with 5 steps of AllReduce SGD every 30 (the allreduce moment); in steps, as
+    the engine counts them (an epoch would need the script to call set_epoch)."""
+    return ",".join(f"{s}s:sgp,{s + 25}s:allreduce" for s in range(0, 100 * epochs, 30))
+
+
+def launch(args: argparse.Namespace, run_dir: str) -> subprocess.Popen:
+    os.makedirs(run_dir, exist_ok=True)
+    env = dict(os.environ, HVD_SGP_LOCAL_SIZE=str(args.local_size), OMP_NUM_THREADS="1",
+               HVD_SGP_TIMEOUT=f"{args.timeout:g}", HVD_SGP_SCHEDULE=schedule(args.epochs),
+               OMPI_MCA_mpi_yield_when_idle="1")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "hvd_sgp.runner.launch", "-np", str(args.np),
+           "--fault-tolerant"]
+    if not args.no_replace:
+        cmd += ["--max-np", str(args.np)]
+    if args.detector_timeout is not None:
+        cmd += ["--detector-timeout", f"{args.detector_timeout:g}"]
+    cmd += [sys.executable, os.path.join(HERE, "chaos_train.py"), "--dir", run_dir,
+            "--epochs", str(args.epochs), "--hidden", str(args.hidden)]
+    out = open(os.path.join(run_dir, "sgprun.out"), "w")
+    return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def lines(run_dir: str, name: str) -> list:
+    try:
+        with open(os.path.join(run_dir, name)) as log:
+            return [line.split() for line in log if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def ranks(run_dir: str) -> dict:
+    """origin -> the rank's latest report, for processes still alive."""
+    found = {}
+    folder = os.path.join(run_dir, "ranks")
+    for name in os.listdir(folder) if os.path.isdir(folder) else ():
+        if not name.isdigit():  # a report being written
+            continue
+        try:
+            with open(os.path.join(folder, name)) as f:
+                info = json.load(f)
+            os.kill(info["pid"], 0)
+        except (ValueError, OSError):
+            continue
+        found[int(name)] = info
+    return found
+
+
+class Chaos:
+    """Injects the failures and watches for hangs while one sgprun runs."""
+
+    def __init__(self, args: argparse.Namespace, run_dir: str):
+        self.args, self.dir = args, run_dir
+        self.rng = random.Random(args.seed)
+        self.planned: list = []  # (time, origin, kind, victim, moment, pid)
+        self.stopped: list = []  # (resume at, pid)
+        self.size = 0  # the world's size at the latest step
+        self.withdrawn = 0  # orders whose moment did not come
+        self.frozen: set = set()  # (time, origin) of the stop deaths already scheduled
+
+    def pick(self, alive: dict) -> Optional[tuple]:
+        """(origin, victim class) or None when no rank fits the class drawn."""
+        victim = self.rng.choice(self.args.victims)
+        size = max(info["size"] for info in alive.values())
+        current = {o: i for o, i in alive.items() if i["size"] == size}
+        if victim == "rank0":
+            pool = [o for o, i in current.items() if i["rank"] == 0]
+        elif victim == "local-master":
+            pool = [o for o, i in current.items() if i["local_rank"] == 0]
+        elif victim == "replacement":
+            pool = [max(current)] if max(current) >= self.args.np else []
+        else:
+            pool = list(current)
+        return (self.rng.choice(pool), victim) if pool else None
+
+    def inject(self, alive: dict) -> bool:
+        chosen = self.pick(alive)
+        if chosen is None:
+            return False
+        origin, victim = chosen
+        kind, moment = self.rng.choice(self.args.kinds), self.rng.choice(self.args.moments)
+        if victim == "mid-repair":  # two at once: a first death, then a survivor by signal
+            others = [o for o in alive if o != origin]
+            second = self.rng.choice(others)
+            self.order(origin, "kill", "step")
+            if not self.wait_for_death(origin, 30):
+                return False
+            time.sleep(self.rng.uniform(0.05, 1.0))  # the survivors are repairing now
+            pid = alive[second]["pid"]
+            self.planned.append((time.time(), second, "kill", "mid-repair", "repair", pid))
+            self.signal(pid, signal.SIGKILL)
+            return True
+        self.order(origin, kind, moment)
+        self.planned.append((time.time(), origin, kind, victim, moment, alive[origin]["pid"]))
+        return True
+
+    def order(self, origin: int, kind: str, moment: str) -> None:
+        path = os.path.join(self.dir, "orders", str(origin))
+        with open(path + ".tmp", "w") as f:
+            f.write(f"{kind} {moment}")
+        os.replace(path + ".tmp", path)
+
+    @staticmethod
+    def signal(pid: int, sig: int) -> None:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def wait_for_death(self, origin: int, seconds: float) -> bool:
+        end = time.time() + seconds
+        while time.time() < end:
+            if any(int(d[1]) == origin for d in lines(self.dir, "deaths.log")):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def run(self, job: subprocess.Popen) -> None:
+        """Inject until --failures are done, then let the job finish; raise on a hang."""
+        started = time.time()
+        last_step_at, seen, whole_since = started, 0, None
+        while job.poll() is None:
+            time.sleep(0.1)
+            now = time.time()
+            for resume_at, pid in list(self.stopped):
+                if now >= resume_at:
+                    self.signal(pid, signal.SIGCONT)
+                    self.stopped.remove((resume_at, pid))
+            for death in lines(self.dir, "deaths.log"):
+                key = (float(death[0]), int(death[1]))
+                pid = ranks_pid(self.dir, key[1])
+                if death[2] == "stop" and key not in self.frozen and pid:
+                    self.frozen.add(key)
+                    self.stopped.append((key[0] + self.args.stop_seconds, pid))
+            steps = lines(self.dir, "steps.log")
+            if len(steps) > seen:
+                seen, last_step_at = len(steps), now
+            limit = self.args.start_seconds if seen == 0 else self.args.hang_seconds
+            if now - last_step_at > limit:
+                raise ChaosFailed(f"no step completed for {now - last_step_at:.0f} s "
+                                  f"(after {seen} steps): a hang")
+            if len(self.planned) >= self.args.failures or not steps:
+                continue
+            if self.pending():
+                whole_since = None
+                continue
+            size = int(steps[-1][2])
+            if size < (3 if self.args.no_replace else self.args.np) or size != self.size:
+                self.size, whole_since = size, None  # wait for the world to be whole
+                continue
+            whole_since = whole_since if whole_since is not None else len(steps)
+            if len(steps) - whole_since >= self.args.gap:
+                if self.inject(ranks(self.dir)):
+                    whole_since = None
+
+    def pending(self) -> bool:
+        """An order not yet carried out (its rank has not reached the moment); one older than
+        ORDER_SECONDS is withdrawn (the moment does not come in this run, or the rank died
+        otherwise)."""
+        folder = os.path.join(self.dir, "orders")
+        waiting = False
+        for name in os.listdir(folder):
+            try:
+                if time.time() - os.path.getmtime(os.path.join(folder, name)) > ORDER_SECONDS:
+                    os.remove(os.path.join(folder, name))
+                    self.withdrawn += 1
+                else:
+                    waiting = True
+            except FileNotFoundError:
+                pass
+        return waiting
+
+
+def ranks_pid(run_dir: str, origin: int) -> Optional[int]:
+    try:
+        with open(os.path.join(run_dir, "ranks", str(origin))) as f:
+            return json.load(f)["pid"]
+    except (OSError, ValueError):
+        return None
+
+
+def percentile(values: list, q: float) -> Optional[float]:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def summarize(run_dir: str, chaos: Chaos, wall: float, step_seconds: Optional[float]) -> dict:
+    steps = [(float(s[0]), int(s[1]), int(s[2]), float(s[3])) for s in lines(run_dir,
+                                                                             "steps.log")]
+    deaths = [(float(d[0]), int(d[1]), d[2], d[3]) for d in lines(run_dir, "deaths.log")]
+    deaths += [(t, o, k, m) for t, o, k, v, m, _ in chaos.planned if m == "repair"]
+    recovery: dict = {}
+    for when, _, kind, _ in deaths:
+        after = [t for t, *_ in steps if t > when]
+        if after:
+            recovery.setdefault(kind, []).append(after[0] - when)
+    ledger = lines(run_dir, "ledger.log")
+    bad = [" ".join(entry) for entry in ledger
+           if abs(float(entry[-1]) - int(entry[entry.index("size") + 1])) > 1e-6]
+    results = [json.loads(" ".join(r)) for r in lines(run_dir, "result.log")]
+    summary = {
+        "failures": len(deaths),
+        "by_kind": count(d[2] for d in deaths),
+        "by_moment": count(d[3] for d in deaths),
+        "by_victim": count(p[3] for p in chaos.planned),
+        "orders_withdrawn": chaos.withdrawn,
+        "recovery_seconds": {k: {"n": len(v), "p50": percentile(v, 50),
+                                 "p95": percentile(v, 95), "max": max(v)}
+                             for k, v in sorted(recovery.items())},
+        "wall_seconds": wall, "ledger_checks": len(ledger), "ledger_bad": bad,
+        "result": results[-1] if results else None,
+    }
+    if step_seconds and results:
+        summary["goodput"] = results[-1]["steps"] * step_seconds / wall
+    return summary
+
+
+def count(items) -> dict:
+    out: dict = {}
+    for item in items:
+        out[item] = out.get(item, 0) + 1
+    return out
+
+
+def run_once(args: argparse.Namespace, run_dir: str, failures: int) -> tuple:
+    """One sgprun with ``failures`` injected: (Chaos, wall seconds, status)."""
+    if os.path.isdir(run_dir):
+        for sub in ("orders", "ranks"):
+            for name in os.listdir(os.path.join(run_dir, sub)) if os.path.isdir(
+                    os.path.join(run_dir, sub)) else ():
+                os.remove(os.path.join(run_dir, sub, name))
+        for name in ("steps.log", "deaths.log", "ledger.log", "result.log"):
+            if os.path.exists(os.path.join(run_dir, name)):
+                os.remove(os.path.join(run_dir, name))
+    os.makedirs(os.path.join(run_dir, "orders"), exist_ok=True)
+    chaos = Chaos(argparse.Namespace(**{**vars(args), "failures": failures}), run_dir)
+    began = time.time()
+    job = launch(args, run_dir)
+    try:
+        chaos.run(job)
+    except BaseException:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+        raise
+    for _, pid in chaos.stopped:
+        chaos.signal(pid, signal.SIGCONT)
+    return chaos, time.time() - began, job.wait()
+
+
+def plot(run_dir: str, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    steps = [(float(s[0]), int(s[2]), float(s[3])) for s in lines(run_dir, "steps.log")]
+    deaths = [float(d[0]) for d in lines(run_dir, "deaths.log")]
+    t0 = steps[0][0]
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(9, 5))
+    top.step([t - t0 for t, _, _ in steps], [n for _, n, _ in steps], where="post")
+    top.set_ylabel("world size")
+    for d in deaths:
+        top.axvline(d - t0, color="red", alpha=0.3, lw=0.8)
+    bottom.plot([t - t0 for t, _, _ in steps], [loss for _, _, loss in steps], lw=0.8)
+    bottom.set_ylabel("training loss")
+    bottom.set_yscale("log")
+    bottom.set_xlabel("seconds (red: a rank dies)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: Optional[list] = None) -> dict:
+    args = parse(argv)
+    os.makedirs(args.out, exist_ok=True)
+    step_seconds, baseline = None, None
+    if args.baseline:
+        _, wall, status = run_once(args, os.path.join(args.out, "baseline"), 0)
+        if status != 0:
+            raise ChaosFailed(f"the failure-free run ended with status {status}")
+        base = [float(s[0]) for s in lines(os.path.join(args.out, "baseline"), "steps.log")]
+        baseline = json.loads(" ".join(lines(os.path.join(args.out, "baseline"),
+                                             "result.log")[-1]))
+        step_seconds = (base[-1] - base[0]) / (len(base) - 1)
+    run_dir = os.path.join(args.out, "chaos")
+    chaos, wall, status = run_once(args, run_dir, args.failures)
+    summary = summarize(run_dir, chaos, wall, step_seconds)
+    summary.update(status=status, load=os.getloadavg(), args=vars(args))
+    if baseline:
+        summary["baseline"] = baseline
+        summary["failure_free_step_seconds"] = step_seconds
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    if args.plot:
+        plot(run_dir, os.path.join(args.out, "chaos.png"))
+    print(json.dumps(summary, indent=1))
+    if status != 0:
+        raise ChaosFailed(f"sgprun ended with status {status} (see {run_dir}/sgprun.out)")
+    if summary["ledger_bad"]:
+        raise ChaosFailed(f"the mass ledger broke: {summary['ledger_bad']}")
+    if summary["result"] is None:
+        raise ChaosFailed("the training did not finish")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
