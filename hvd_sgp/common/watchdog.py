@@ -37,8 +37,9 @@ from hvd_sgp.common.mpi import MPI
 START_SECONDS = 60.0  # the least a call outside any step waits: ranks start at different speeds
 TICK_SECONDS = 0.1  # how often the thread checks deadlines and answers roll calls
 ROLL_CALL_SECONDS = 2.0  # how long a roll call waits for answers
-_ASK, _ANSWER, _VERDICT = 1, 2, 3
-_OUTSIDE = "a collective outside any step"  # what a call not under ``doing`` is  # tags on the roll-call communicator
+FRESH_SECONDS = 2 * ROLL_CALL_SECONDS  # a roll call this recent answers the next one
+_ASK, _ANSWER, _VERDICT = 1, 2, 3  # tags on the roll-call communicator
+_OUTSIDE = "a collective outside any step"  # what a call not under ``doing`` is
 
 
 class _Watch:
@@ -50,6 +51,7 @@ class _Watch:
         self.group: Optional[MPI.Group] = None  # the world's, to name a communicator's ranks
         self.names: list = []  # world rank -> how errors name it (its launch rank)
         self.rank = 0  # this one's, in the world
+        self.said: tuple = (-FRESH_SECONDS, "")  # (when, what) of the last roll call
         self.sends: list = []  # roll-call messages still in flight
         self.lock = threading.RLock()  # one thread at a time on the roll call's communicator
         self.thread: Optional[threading.Thread] = None
@@ -215,7 +217,12 @@ def _said(answer: Any) -> str:
 def roll_call() -> str:
     """Ask every other rank what it does (the answers of a watchdog thread, which take up to
     ROLL_CALL_SECONDS when some do not come); 'rank 3 does not answer (frozen, dead or ended);
-    ranks 1, 2 are in the gradient sum (MPI_Allreduce) at iteration 5 for 4 s'."""
+    ranks 1, 2 are in the gradient sum (MPI_Allreduce) at iteration 5 for 4 s'. One taken
+    within FRESH_SECONDS answers again: a stall warning shortly before its deadline (a short
+    HVD_SGP_TIMEOUT) would otherwise delay the error by a second roll call."""
+    when, said = _watch.said
+    if time.monotonic() - when < FRESH_SECONDS:
+        return said
     answers = ask()
     if answers is None:  # (fault-tolerant mode, or no MPI_THREAD_MULTIPLE)
         return "the other ranks were not asked"
@@ -229,7 +236,8 @@ def roll_call() -> str:
               "(frozen, dead or ended)"] if silent else [])
     parts += [f"{_ranks(ranks)} {'is' if len(ranks) == 1 else 'are'} {status}"
               for status, ranks in by_status.items()]
-    return "; ".join(parts) or "no other rank"
+    _watch.said = (time.monotonic(), "; ".join(parts) or "no other rank")
+    return _watch.said[1]
 
 
 def ask() -> Optional[dict]:
