@@ -23,8 +23,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
+from bench_model import digits_split
 
 import hvd_sgp.torch as hvd
 from hvd_sgp.common import engine, runtime
@@ -98,10 +97,7 @@ wrap(engine.GossipEngine, "reduce_gradients", lambda self: "in-node")
 wrap(engine.GossipEngine, "end_step",
      lambda self: "allreduce" if self.stage.mode == "allreduce" else "gossip")
 
-digits = load_digits()
-x = torch.tensor(digits.data / 16.0, dtype=torch.float32)
-y = torch.tensor(digits.target, dtype=torch.long)
-x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25, random_state=0)
+x_train, y_train, x_test, y_test = digits_split(0)
 train_set = torch.utils.data.TensorDataset(x_train, y_train)
 sampler = hvd.elastic.ElasticSampler(train_set, seed=args.seed)
 loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
