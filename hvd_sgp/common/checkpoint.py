@@ -99,8 +99,7 @@ def _inside(answer, serial: int) -> bool:
 def _where(answer, serial: int) -> str:
     if _inside(answer, serial):
         return f"at iteration {answer.iteration} ({answer.what})"
-    return "computing" if answer is None else "not answering" if answer == watchdog.SILENT \
-        else f"elsewhere ({answer})"
+    return watchdog.in_words(answer)
 
 
 def check_consistent(comm: MPI.Comm, signature: list, opts: tuple, iteration: int = 0,

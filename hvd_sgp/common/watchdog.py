@@ -208,7 +208,8 @@ def _serve(answers: bool) -> None:
 SILENT = "silent"  # a rank that did not answer the roll call
 
 
-def _said(answer: Any) -> str:
+def in_words(answer: Any) -> str:
+    """A roll-call answer (``ask``) in words."""
     if isinstance(answer, Status):
         return str(answer)
     return "in no blocking call" if answer is None else "does not answer"
@@ -230,8 +231,8 @@ def roll_call() -> str:
     by_status: dict[str, list] = {}
     for rank, answer in answers.items():
         if rank != me:
-            by_status.setdefault(_said(answer), []).append(rank)
-    silent = by_status.pop(_said(SILENT), None)
+            by_status.setdefault(in_words(answer), []).append(rank)
+    silent = by_status.pop(in_words(SILENT), None)
     parts = ([f"{_ranks(silent)} {'does' if len(silent) == 1 else 'do'} not answer "
               "(frozen, dead or ended)"] if silent else [])
     parts += [f"{_ranks(ranks)} {'is' if len(ranks) == 1 else 'are'} {status}"
