@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import Optional
 
 from hvd_sgp.common import fault_record, options, recovery, world_grow
 from hvd_sgp.common.errors import PeerLostError, PeerTimeoutError, SgpError
+from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.world import World, WorldChange, notify, regroup
 
 _said = [False]  # the plain-script note on HVD_SGP_MAX_NP, printed once
@@ -22,7 +24,8 @@ def repair(world: World, realign: bool) -> WorldChange:
        survivor the same communicator); the lost ranks are the difference.
     3. Re-form the nodes and the cross-node communicators (``regroup``).
     4. Call the ``on_world_change`` subscribers (optimizers rebuild their graph and fold their
-       PushSum state).
+       PushSum state). An agreement (MPI_Comm_agree) closes 3 and 4 alike on every
+       survivor: all go on, all start over, or all raise (``_rebuild``).
     5. With HVD_SGP_MAX_NP (or host discovery), outside a step (``realign`` False:
        hvd.elastic.run's repair, the step boundary where Horovod adds hosts), spawn
        replacements and take them in (``world_grow.grow``); not while a change of hosts
@@ -35,17 +38,22 @@ def repair(world: World, realign: bool) -> WorldChange:
     known = set(world.origins)
     attempts = 0  # spawns tried: an MPI that keeps failing them leaves the world smaller
     grown = None
+    comm = world.world  # what the next attempt shrinks: a communicator every survivor holds
     with recovery.repairing(deadline):
         while True:
             world.revoke_all()
             try:
                 with recovery.translated("the repair of the world"):
-                    change = _shrink(world, known, realign)
-                    survivors = change.world.Get_size()
-                    notify(change)
-                    if (not realign and attempts < 3 and world.pending is None
-                            and world_grow.missing(world) > 0):
-                        attempts += 1
+                    survivors = comm.Shrink()  # (Ishrink fails on a revoked world in 5.0)
+                if comm != world.world:  # an earlier attempt's, never installed here
+                    recovery.free(comm)
+                comm = survivors
+                change = _rebuild(world, survivors, known, realign)
+                if (not realign and attempts < 3 and world.pending is None
+                        and world_grow.missing(world) > 0):
+                    attempts += 1
+                    comm = world.world  # a failed grow starts over from what it left
+                    with recovery.translated("the repair of the world"):
                         grown = world_grow.grow(world, world_grow.replacement_plan(world, seats),
                                                 known, seats)
                 break
@@ -56,6 +64,7 @@ def repair(world: World, realign: bool) -> WorldChange:
                 if world.world.Get_rank() == 0:
                     print(f"hvd_sgp: the repair starts over: {error}", file=sys.stderr,
                           flush=True)
+    survivors = change.world.Get_size()
     lost = sorted(known - set(world.origins))
     fault_record.write("lost " + ",".join(map(str, lost)), world.origin)
     if grown is not None:
@@ -77,10 +86,39 @@ def repair(world: World, realign: bool) -> WorldChange:
     return grown or change
 
 
-def _shrink(world: World, known: set, realign: bool) -> WorldChange:
-    """Steps 2 and 3 of ``repair``: the survivors' world, its nodes and its membership."""
+def _rebuild(world: World, survivors: MPI.Comm, known: set, realign: bool) -> WorldChange:
+    """Steps 3 and 4 of ``repair`` on the shrunk world, closed by an agreement (ULFM's
+    MPI_Comm_agree, whose outcome is the same on every survivor): either every survivor
+    finished them, or every one starts over, or every one raises. Without it a rank dying
+    inside step 4 may leave one survivor with an undefined buffer (a collective cut short:
+    a pickled allgather that fails to load, seen 1 run in 8 with 8 ranks) while the others
+    go on with a world it never joined."""
+    failure: Optional[Exception] = None
+    try:
+        with recovery.translated("the repair of the world"):
+            change = _regroup(world, survivors, known, realign)
+            notify(change)
+    except Exception as error:  # the others may wait on this rank in a collective: revoke
+        failure = error
+        world.revoke_all()
+        if not survivors.Is_revoked():
+            survivors.Revoke()
+    foreign = failure is not None and not isinstance(failure, PeerLostError)
+    with recovery.translated("the agreement that ends the repair"):  # a death: start over
+        agreed = survivors.Agree(int(failure is None) | 2 * int(not foreign))
+    if agreed & 1:
+        return change
+    if foreign:
+        raise failure
+    if not agreed & 2:
+        raise SgpError("the repair of the world failed on another rank (its error is "
+                       "printed there)")
+    raise failure or recovery.lost("another survivor lost a peer during the repair")
+
+
+def _regroup(world: World, survivors: MPI.Comm, known: set, realign: bool) -> WorldChange:
+    """Step 3 of ``repair``: the survivors' world, its nodes and its membership."""
     size_before = world.world.Get_size()
-    survivors = world.world.Shrink()  # (Ishrink fails on a revoked world in Open MPI 5.0)
     entries = survivors.allgather(world.entry())
     known.update(world.origins)  # replacements taken in by an attempt that failed later
     lost = tuple(sorted(known - {origin for origin, _, _ in entries}))
