@@ -49,6 +49,7 @@ def repair(world: World, realign: bool) -> WorldChange:
                     recovery.free(comm)
                 comm = survivors
                 change = _rebuild(world, survivors, known, realign)
+                size = change.world.Get_size()  # (a grow frees change.world)
                 if (not realign and attempts < 3 and world.pending is None
                         and world_grow.missing(world) > 0):
                     attempts += 1
@@ -64,7 +65,6 @@ def repair(world: World, realign: bool) -> WorldChange:
                 if world.world.Get_rank() == 0:
                     print(f"hvd_sgp: the repair starts over: {error}", file=sys.stderr,
                           flush=True)
-    survivors = change.world.Get_size()
     lost = sorted(known - set(world.origins))
     fault_record.write("lost " + ",".join(map(str, lost)), world.origin)
     if grown is not None:
@@ -74,7 +74,7 @@ def repair(world: World, realign: bool) -> WorldChange:
         joined = (f"; {len(grown.joined)} replacement(s) joined (rank(s) "
                   f"{ranks}): back to {world.world.Get_size()} ranks"
                   if grown is not None else "")
-        print(f"hvd_sgp: lost rank(s) {lost}; {survivors} of "
+        print(f"hvd_sgp: lost rank(s) {lost}; {size} of "
               f"{change.size_before} ranks go on{joined} after a repair of "
               f"{time.monotonic() - began:.2f} s", file=sys.stderr, flush=True)
         if realign and world_grow.missing(world) > 0 and not _said[0]:
