@@ -144,7 +144,10 @@ class Chaos:
         self.frozen: set = set()  # (time, origin) of the stop deaths already scheduled
 
     def pick(self, alive: dict) -> Optional[tuple]:
-        """(origin, victim class) or None when no rank fits the class drawn."""
+        """(origin, victim class) or None when no rank fits the class drawn (or none has
+        reported yet)."""
+        if not alive:
+            return None
         victim = self.rng.choice(self.args.victims)
         size = max(info["size"] for info in alive.values())
         current = {o: i for o, i in alive.items() if i["size"] == size}
