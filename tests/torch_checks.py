@@ -3,8 +3,10 @@
 Each check prints "ok <name>" on rank 0; a failure raises and ends the job non-zero.
 """
 import copy
+import gc
 import math
 import warnings
+import weakref
 
 import torch
 
@@ -666,6 +668,28 @@ def check_node_groups_in_a_user_world():
     finally:
         dist.destroy_process_group()
     checks.ok("in-node groups carved from a user's torch.distributed world hold the node's ranks")
+
+
+@checks
+def check_a_collected_optimizer_closes_between_mpi_calls():
+    """An optimizer dropped in a reference cycle goes when the cycle collector runs, and that
+    may be inside an mpi4py call, where freeing its communicator deadlocked the rank on
+    mpi4py's own lock (finalizers.py): the collection only queues the close, and the next step
+    of any optimizer runs it."""
+    def dropped():
+        model = mlp(0)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+        train_steps(opt, model, 2, seed=3)
+        opt.cycle = opt  # only the cycle collector frees it
+        return weakref.ref(opt._sgp_session())
+    session = dropped()
+    gc.collect()
+    queued = session() is not None and not session().closed
+    model = mlp(1)
+    train_steps(hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05)), model,
+                1, seed=3)
+    assert queued and (session() is None or session().closed), (queued, session())
+    checks.ok("a collected optimizer is closed at the next step, not inside the collection")
 
 
 checks.run()

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from hvd_sgp.common import options as sgp_options
-from hvd_sgp.common import checkpoint, recovery, runtime, telemetry
+from hvd_sgp.common import checkpoint, finalizers, recovery, runtime, telemetry
 from hvd_sgp.common.codecs import Codec
 from hvd_sgp.common.engine import BufferAccess, GossipEngine, StepPlan
 from hvd_sgp.common.errors import NotInitializedError, PeerLostError, SgpValueError
@@ -137,11 +137,13 @@ class SgpSession:
         return self.start()
 
     def own(self, owner: object) -> None:
-        """Close the engine when ``owner`` (the optimizer) is collected."""
-        weakref.finalize(owner, self.close)
+        """Close the engine once ``owner`` (the optimizer) is collected (at the next safe
+        point: finalizers.py)."""
+        weakref.finalize(owner, finalizers.later, self.close)
 
     # --- the step -----------------------------------------------------------------------
     def begin_step(self, optimizer_state: Callable[[], Sequence] = tuple) -> StepPlan:
+        finalizers.run()  # the optimizers collected since the last step close here
         return self.engine.begin_step(optimizer_state)
 
     def gradient_scale(self, plan: Optional[StepPlan] = None) -> float:
@@ -242,6 +244,7 @@ class _JoinServer:
     def live(self) -> list["SgpSession"]:
         if not self.collected:
             gc.collect()
+            finalizers.run()
             self.collected = True
         self.sessions = [ref for ref in self.sessions if ref() is not None]
         return [s for s in (ref() for ref in self.sessions)

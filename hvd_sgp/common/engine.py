@@ -392,7 +392,7 @@ class GossipEngine:
 
     def close(self) -> None:
         """Stop the progress thread and release the communicator (no communication: it also
-        runs when the optimizer is collected, on one rank only)."""
+        runs once the optimizer is collected, on one rank only: finalizers.py)."""
         if self.closed:
             return
         self.closed = True

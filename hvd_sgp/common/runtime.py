@@ -21,8 +21,8 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from hvd_sgp.common import (discovery, fault_mode, options, place, recovery, watchdog,
-                            world_grow, world_repair)
+from hvd_sgp.common import (discovery, fault_mode, finalizers, options, place, recovery,
+                            watchdog, world_grow, world_repair)
 from hvd_sgp.common.errors import OptionError
 from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.world import World, WorldChange
@@ -138,6 +138,7 @@ def shutdown() -> None:
     world = place.current()
     if world is None:
         return
+    finalizers.run()
     place.install(None)
     watchdog.stop()
     world.close()

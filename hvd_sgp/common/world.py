@@ -11,7 +11,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from hvd_sgp.common import planners, recovery
+from hvd_sgp.common import finalizers, planners, recovery
 from hvd_sgp.common.blocking import watched
 from hvd_sgp.common.mpi import MPI
 
@@ -154,6 +154,7 @@ def forget_world_change(key: int) -> None:
 def notify(change: WorldChange) -> None:
     """Call the subscribers alive on every rank of ``change.world`` (a key collected on some
     rank is gone for good), in registration order."""
+    finalizers.run()  # the optimizers collected so far unsubscribe first
     alive = []
     for key, ref in list(_subscribers.items()):
         callback = ref()

@@ -18,7 +18,7 @@ from typing import Callable, Collection, Sequence, TypeVar
 import numpy as np
 import tensorflow as tf
 
-from hvd_sgp.common import adapter, runtime
+from hvd_sgp.common import adapter, finalizers, runtime
 from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.common.node import average_arrays
 from hvd_sgp.common.pushsum import allocate
@@ -190,8 +190,8 @@ def for_variables(variables: Sequence, config: adapter.Settings) -> VariableGoss
 
 def _forget(key: tuple) -> None:
     gossip = _BY_VARIABLES.pop(key, None)
-    if gossip is not None:
-        gossip.session.close()
+    if gossip is not None:  # (the key goes now: a new variable may take the id)
+        finalizers.later(gossip.session.close)
 
 
 def scaled(grad, factor: float):
