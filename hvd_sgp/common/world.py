@@ -72,11 +72,7 @@ class World:
                 return
             comms = [self.world, self.local, self.cross, *_tracked]
         for comm in comms:
-            try:
-                if not comm.Is_revoked():
-                    comm.Revoke()
-            except MPI.Exception:
-                pass
+            revoke(comm)
 
     def revoked(self) -> bool:
         with self._lock:
@@ -89,6 +85,16 @@ class World:
             comms = (self.cross, self.local, self.world)
         for comm in comms:
             recovery.free(comm)
+
+
+def revoke(comm: MPI.Comm) -> None:
+    """Revoke ``comm`` unless it is already (ULFM); an error here (a communicator freed or
+    broken under us) changes nothing: the failure is being handled already."""
+    try:
+        if not comm.Is_revoked():
+            comm.Revoke()
+    except MPI.Exception:
+        pass
 
 
 def regroup(world: MPI.Comm, nodes: list) -> tuple[MPI.Comm, MPI.Comm]:

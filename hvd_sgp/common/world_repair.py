@@ -11,7 +11,7 @@ from typing import Optional
 from hvd_sgp.common import fault_record, options, recovery, world_grow
 from hvd_sgp.common.errors import PeerLostError, PeerTimeoutError, SgpError
 from hvd_sgp.common.mpi import MPI
-from hvd_sgp.common.world import World, WorldChange, notify, regroup
+from hvd_sgp.common.world import World, WorldChange, notify, regroup, revoke
 
 _said = [False]  # the plain-script note on HVD_SGP_MAX_NP, printed once
 
@@ -101,8 +101,7 @@ def _rebuild(world: World, survivors: MPI.Comm, known: set, realign: bool) -> Wo
     except Exception as error:  # the others may wait on this rank in a collective: revoke
         failure = error
         world.revoke_all()
-        if not survivors.Is_revoked():
-            survivors.Revoke()
+        revoke(survivors)
     foreign = failure is not None and not isinstance(failure, PeerLostError)
     with recovery.translated("the agreement that ends the repair"):  # a death: start over
         agreed = survivors.Agree(int(failure is None) | 2 * int(not foreign))
