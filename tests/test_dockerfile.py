@@ -1,7 +1,9 @@
-"""The Dockerfile passes hadolint and installs the way the README tells users to."""
+"""The Dockerfile passes hadolint and installs the way the README tells users to; CI runs the
+README's two commands."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -34,3 +36,14 @@ def test_cpu_image_installs_like_the_readme():
     assert README_INSTALL in readme
     assert f"RUN {README_INSTALL}" in DOCKERFILE.read_text(encoding="utf-8")
 
+
+
+def test_ci_runs_the_readme_commands():
+    """Each command of the README's first two (install and main job; the tests) is a line of
+    .ci/run, which runs them in a fresh clone."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    first, second = re.findall(r"```bash\n(.*?)\n```", readme, re.DOTALL)[:2]
+    commands = [c.strip() for c in first.split("&&")] + [second.strip()]
+    assert len(commands) == 4, commands
+    lines = {line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()}
+    assert [c for c in commands if c not in lines] == []
