@@ -37,7 +37,6 @@ def test_cpu_image_installs_like_the_readme():
     assert f"RUN {README_INSTALL}" in DOCKERFILE.read_text(encoding="utf-8")
 
 
-
 def test_ci_runs_the_readme_commands():
     """Each command of the README's first two (install and main job; the tests) is a line of
     .ci/run, which runs them in a fresh clone."""
