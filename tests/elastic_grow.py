@@ -5,7 +5,9 @@ An elastic training function in Horovod's idiom (hvd.elastic.run, TorchState, a 
 step). ``--kill ORIGIN:STEP`` makes the process launched as rank ORIGIN die at that step
 (os._exit(1) for the first, SIGKILL after: see elastic_checks.py), or just before the
 ``hvd.join()`` that ``--join-every K`` puts after every K steps (``--kill-in-join``, so that
-the replacement's first use of the optimizer is a join()); the survivors repair, spawn
+the replacement's first use of the optimizer is a join()), or ``--freeze ORIGIN:STEP`` makes it
+stop itself (SIGSTOP, never resumed: found by a peer on its machine, stopped.py); the survivors
+repair, spawn
 a replacement, which runs this same script from the top and joins at the survivors'
 ``state.sync()``. Every (re)entry of the training function checks what the join promises:
 every rank holds rank 0's parameters and PushSum weight 1, so the weights sum to the world's
@@ -31,9 +33,11 @@ parser.add_argument("--lr-zero", action="store_true")
 parser.add_argument("--overlap", action="store_true")
 parser.add_argument("--join-every", type=int, default=0, metavar="K")
 parser.add_argument("--kill-in-join", action="append", default=[], metavar="ORIGIN:STEP")
+parser.add_argument("--freeze", action="append", default=[], metavar="ORIGIN:STEP")
 args = parser.parse_args()
 kills = {tuple(int(x) for x in item.split(":")) for item in args.kill}
 kills_in_join = {tuple(int(x) for x in item.split(":")) for item in args.kill_in_join}
+freezes = {tuple(int(x) for x in item.split(":")) for item in args.freeze}
 
 began = time.time()
 hvd.init()
@@ -97,6 +101,10 @@ def train(state):
             state.commit()
         if (origin, state.step) in kills:
             die()
+        if (origin, state.step) in freezes:
+            print(f"grow: origin {origin} stops at step {state.step} at {time.time():.3f}",
+                  flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
         optimizer.zero_grad()
         x = torch.randn(8, 4, generator=gen)
         loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))

@@ -153,6 +153,26 @@ def test_grow_back_at_8_ranks_replaces_a_replacement():
           f"(SIGKILL of the replacement)")
 
 
+def test_a_stopped_replacement_is_killed_and_replaced():
+    """ULFM's detector does not watch a spawned replacement (its own MPI job): rank 2 dies at
+    step 3, its replacement (launch rank 4) stops itself (SIGSTOP) at step 8 and is never
+    resumed. A survivor on its machine sees it stopped for the detector's timeout and kills
+    it (stopped.py); the runtime reports the death, the survivors repair and spawn launch
+    rank 5. (Before, the survivors' wait ended at HVD_SGP_TIMEOUT and the repair's shrink
+    waited for the stopped process until the repair's deadline: the job never finished.)"""
+    proc = grow(4, "1", "--kill", "2:3", "--freeze", "4:8", "--steps", "14")
+    output = expect_passed(proc, "grow checks passed on 4 ranks")
+    assert "replacement origin 5 started" in output, output[-3000:]
+    assert "rank 4 (pid" in output and "was stopped for" in output, output[-3000:]
+    assert "origins by rank [0, 1, 5, 3]" in output, output[-3000:]
+    stop = float(re.search(r"origin 4 stops at step 8 at ([0-9.]+)", output).group(1))
+    back = min(float(t) for t in re.findall(r"completed step \d+ on 4 ranks at ([0-9.]+)",
+                                            output) if float(t) > stop)
+    print(f"a stopped replacement: stop to the first step on 4 ranks {back - stop:.2f} s "
+          f"(detector {DETECTOR} s)")
+    assert back - stop < 120, back - stop
+
+
 def test_keras_grow_back():
     """The Keras script in Horovod's elastic shape under --max-np 4: rank 2 is SIGKILLed at
     epoch 1, a replacement runs the script from the top and joins (its first fit step meets

@@ -2,13 +2,15 @@
 the heartbeat thread, and the exit. The facts it sets, and the pieces that notice and bound a
 failure, are recovery.py's; this is the part that reads the options table.
 
-The thread started here does two things. It keeps ULFM's failure detector fed: heartbeats go
+The thread started here does three things. It keeps ULFM's failure detector fed: heartbeats go
 out only while MPI progresses, and a rank computing for seconds without an MPI call would be
 declared dead, so the thread makes a cheap MPI call every 0.1 s (Open MPI's own detector thread
 would do it too, but then MPI_Finalize hangs after a failure in Open MPI 5.0). And it settles
 the case ULFM cannot see, a rank alive but silent (stuck outside hvd_sgp), on that rank itself:
 when its world has been revoked for HVD_SGP_TIMEOUT seconds and it has not begun to repair, it
-prints why and exits, which ULFM then reports to the survivors.
+prints why and exits, which ULFM then reports to the survivors. And it kills a peer on this
+machine that stays stopped, which ULFM does not see where the peer is a spawned replacement
+(stopped.py).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from hvd_sgp.common import fault_record, options, recovery
+from hvd_sgp.common import fault_record, options, recovery, stopped
 from hvd_sgp.common.errors import OptionError
 from hvd_sgp.common.mpi import MPI
 
@@ -33,10 +35,11 @@ status = recovery.status
 
 
 def configure(world_revoked: Callable[[], bool], revoke_all: Callable[[], None],
-              origin: int) -> None:
+              origin: int, peers: Callable[[], list]) -> None:
     """At init: read HVD_SGP_FAULT_TOLERANT, check that MPI can do it, start the thread.
-    ``revoke_all`` revokes every hvd_sgp communicator; ``origin`` names this rank for good
-    (the runtime's, handed in: recovery imports no runtime)."""
+    ``revoke_all`` revokes every hvd_sgp communicator; ``origin`` names this rank for good;
+    ``peers`` gives (origin, process) of every rank of the world as it stands (the runtime's,
+    handed in: recovery imports no runtime)."""
     status.revoke_all, status.origin = revoke_all, origin
     status.repair_seconds = repair_seconds()
     status.enabled = bool(options.from_environment("fault_tolerant"))
@@ -46,7 +49,7 @@ def configure(world_revoked: Callable[[], bool], revoke_all: Callable[[], None],
     status.timeout = float(options.from_environment("timeout"))
     fault_record.write("started", origin)
     if status.watchdog is None:
-        status.watchdog = threading.Thread(target=_watch, args=(world_revoked,),
+        status.watchdog = threading.Thread(target=_watch, args=(world_revoked, peers),
                                            name="hvd_sgp-watchdog", daemon=True)
         status.watchdog.start()
         atexit.register(_finalize)
@@ -80,12 +83,14 @@ def repair_seconds() -> float:
 
 
 # --- the silent rank excludes itself --------------------------------------------------------
-def _watch(world_revoked: Callable[[], bool]) -> None:
+def _watch(world_revoked: Callable[[], bool], peers: Callable[[], list]) -> None:
     revoked_since: Optional[float] = None
     stuck_since: Optional[float] = None  # the world revoked under a spawn (recovery.spawning)
     grace = float(options.from_environment("detector_timeout"))
+    sentinel = stopped.Sentinel(grace)  # a stopped peer is found as ULFM's detector would
     while not status.stop.wait(HEARTBEAT_SECONDS):
         MPI.COMM_SELF.Iprobe()  # progress: ULFM's detector sends its heartbeats
+        sentinel.check(peers())
         deadline = status.repairing
         if deadline is not None and time.monotonic() > deadline:
             recovery.exclude_self(f"the repair of the world did not complete within "

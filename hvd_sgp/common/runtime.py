@@ -25,7 +25,7 @@ from hvd_sgp.common import (discovery, fault_mode, finalizers, options, place, r
                             watchdog, world_grow, world_repair)
 from hvd_sgp.common.errors import OptionError
 from hvd_sgp.common.mpi import MPI
-from hvd_sgp.common.world import World, WorldChange
+from hvd_sgp.common.world import World, WorldChange, entry
 # This rank's place (place.py) and the world's change API (world.py) are reached as runtime.*
 # by the adapters, tests and tools, as the rest of the world's public face.
 from hvd_sgp.common.place import (Layout, cross_comm, cross_rank, cross_size, host,  # noqa: F401
@@ -90,14 +90,14 @@ def init(comm: Optional[MPI.Comm] = None) -> None:
         parts = place.layout_of(comm, local)
         host_name = (MPI.Get_processor_name() if discovered is None else
                      discovery.assign(discovered, comm.Get_size())[comm.Get_rank()])
-        entries = [(r, n, h) for r, (n, h) in enumerate(comm.allgather((node, host_name)))]
+        entries = comm.allgather(entry(comm.Get_rank(), node, host_name))
         world = World(comm, local, parts.cross, MPI.Query_thread(), node, comm.Get_rank(),
                       entries, host_name)
         if discovered is not None:
             world.discovered = discovered
             world.allocated = {name for name, _ in discovered}
     place.install(world)
-    fault_mode.configure(_world_revoked, _revoke_all, world.origin)
+    fault_mode.configure(_world_revoked, _revoke_all, world.origin, _peers)
     watchdog.start(world.world, world.origins, float(options.from_environment("timeout")),
                    world.thread_level >= MPI.THREAD_MULTIPLE)
     _abort_on_uncaught_errors()
@@ -213,6 +213,11 @@ def _revoke_all() -> None:
 def _world_revoked() -> bool:
     world = place.current()
     return world is not None and world.revoked()
+
+
+def _peers() -> list:
+    world = place.current()
+    return [] if world is None else world.peers()
 
 
 def repair(realign: bool = True) -> WorldChange:

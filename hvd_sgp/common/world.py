@@ -9,11 +9,25 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
-from hvd_sgp.common import finalizers, planners, recovery
+from hvd_sgp.common import finalizers, planners, recovery, stopped
 from hvd_sgp.common.blocking import watched
 from hvd_sgp.common.mpi import MPI
+
+
+class Entry(NamedTuple):
+    """One rank as every other knows it, gathered at start-up and at every change."""
+
+    origin: int
+    node: Any
+    host: str
+    process: stopped.Identity  # (so that a peer on its machine can tell it is stopped)
+
+
+def entry(origin: int, node: Any, host: str) -> Entry:
+    """This process's entry, to be gathered by every rank."""
+    return Entry(origin, node, host, stopped.identity())
 
 
 class World:
@@ -40,16 +54,21 @@ class World:
         self.remember(entries)
 
     def remember(self, entries: list) -> None:
-        """Every rank's (origin, node, host), by current rank: what a repair needs to know of
-        the ranks it lost (their slots, nodes and hosts) to put replacements there."""
-        self.origins = [origin for origin, _, _ in entries]
-        self.nodes = [node for _, node, _ in entries]
-        self.hosts = [host for _, _, host in entries]
+        """Every rank's ``Entry``, by current rank: what a repair needs to know of the ranks it
+        lost (their slots, nodes and hosts) to put replacements there."""
+        self.origins = [e.origin for e in entries]
+        self.nodes = [e.node for e in entries]
+        self.hosts = [e.host for e in entries]
+        self.processes = [e.process for e in entries]
         self.next_origin = max(self.next_origin, max(self.origins) + 1)
 
-    def entry(self) -> tuple:
-        """This rank's (origin, node, host), as ``remember`` takes them from every rank."""
-        return self.origin, self.node, self.host
+    def entry(self) -> Entry:
+        """This rank's, as ``remember`` takes them from every rank."""
+        return entry(self.origin, self.node, self.host)
+
+    def peers(self) -> list:
+        """(origin, process) of every rank, for the stopped-peer sentinel (stopped.py)."""
+        return list(zip(self.origins, self.processes))
 
     def seats(self) -> dict:
         """origin -> (rank, node, host) of every rank of the world as it stands."""

@@ -12,7 +12,7 @@ from typing import Any, Optional
 from hvd_sgp.common import discovery, fault_record, options, planners, recovery
 from hvd_sgp.common.errors import SgpError
 from hvd_sgp.common.mpi import MPI
-from hvd_sgp.common.world import World, WorldChange, notify, regroup, track, untrack
+from hvd_sgp.common.world import World, WorldChange, entry, notify, regroup, track, untrack
 
 
 def missing(world: World) -> int:
@@ -92,8 +92,7 @@ def grow(world: World, plan: dict, known: set, seats: dict) -> Optional[WorldCha
     world.install(comm, local, cross, entries)
     joined = tuple(origin for origin, _, _, _ in plan["newcomers"])
     known.update(joined)
-    seats.update({origin: (plan["slots"][origin], node, host)
-                  for origin, node, host in entries})
+    seats.update({e.origin: (plan["slots"][e.origin], e.node, e.host) for e in entries})
     change = WorldChange(comm, local, cross, (), size_before, False, joined)
     notify(change)
     return change
@@ -108,8 +107,8 @@ def _settle(merged: MPI.Comm, plan: dict, origin: int, node: Any,
     finally:
         untrack(merged)
         recovery.free(merged)
-    entries = comm.allgather((origin, node, host))
-    local, cross = regroup(comm, [node for _, node, _ in entries])
+    entries = comm.allgather(entry(origin, node, host))
+    local, cross = regroup(comm, [e.node for e in entries])
     return comm, local, cross, entries
 
 
@@ -205,7 +204,7 @@ def resize(world: World) -> bool:
                 return True
             size_before = world.world.Get_size()
             entries = comm.allgather(world.entry())
-            local, cross = regroup(comm, [node for _, node, _ in entries])
+            local, cross = regroup(comm, [e.node for e in entries])
             world.install(comm, local, cross, entries)
             notify(WorldChange(comm, local, cross, tuple(plan["leaving"]), size_before, False))
             world.discovered = world.pending

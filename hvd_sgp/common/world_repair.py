@@ -120,7 +120,7 @@ def _regroup(world: World, survivors: MPI.Comm, known: set, realign: bool) -> Wo
     size_before = world.world.Get_size()
     entries = survivors.allgather(world.entry())
     known.update(world.origins)  # replacements taken in by an attempt that failed later
-    lost = tuple(sorted(known - {origin for origin, _, _ in entries}))
+    lost = tuple(sorted(known - {e.origin for e in entries}))
     minimum = options.from_environment("min_np")
     if survivors.Get_size() < minimum:
         raise SgpError(f"only {survivors.Get_size()} ranks survive (lost {list(lost)}), fewer "
@@ -128,6 +128,6 @@ def _regroup(world: World, survivors: MPI.Comm, known: set, realign: bool) -> Wo
     if world.discovered is not None:  # a failure may have cut a change of hosts short
         world.discovered, world.pending, world.allocated = survivors.bcast(
             (world.discovered, world.pending, world.allocated), root=0)
-    local, cross = regroup(survivors, [node for _, node, _ in entries])
+    local, cross = regroup(survivors, [e.node for e in entries])
     world.install(survivors, local, cross, entries)
     return WorldChange(survivors, local, cross, lost, size_before, realign)
