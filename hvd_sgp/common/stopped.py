@@ -15,6 +15,7 @@ that a pid reused, or seen from another pid namespace, is never taken for it.
 """
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -35,6 +36,7 @@ def _stat(pid: int) -> Optional[tuple]:
     return fields[0], int(fields[19])
 
 
+@functools.cache  # (it changes only with a reboot; checked every second)
 def _boot_id() -> Optional[str]:
     try:
         with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as file:
