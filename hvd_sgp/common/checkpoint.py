@@ -208,6 +208,7 @@ class EngineCheckpoint:
         engine.meet_at = 0
         engine.restage()
         engine.outer.load_state(outer)
+        engine.local_updates.restart()
         self._restored, self._check_position = False, True
 
     def agree(self) -> None:

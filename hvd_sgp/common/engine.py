@@ -8,7 +8,9 @@ overlapped), symmetric pairwise averaging (``dpsgd``) or nothing (``allreduce``,
 gradients were averaged over the world instead). Int8 and top-k gossip through compressed
 PushSum (choco.py), random-k through exact gossip on shared entries (sparse.py; mixers.py
 chooses); ``local_steps`` decides which steps communicate, and an outer optimizer (SlowMo,
-DiLoCo) moves the model after each average or gossip round of those (outer.py).
+DiLoCo) moves the model after each average or gossip round of those (outer.py). A local step taken
+at a PushSum weight other than 1 moves the numerator as SGP's does, and ranks with uneven
+batches weigh by their samples (``samples_per_step``; both in local_update.py).
 
 Three collaborators work through the engine's public methods and attributes: ``join``
 (join_serving.py: a joined rank's served steps), ``repair`` (repair.py: the fold and the
@@ -31,6 +33,7 @@ from hvd_sgp.common.checkpoint import EngineCheckpoint, check_consistent
 from hvd_sgp.common.codecs import Codec, codec as make_codec
 from hvd_sgp.common.errors import PeerLostError, SgpValueError
 from hvd_sgp.common.join_serving import JoinServing
+from hvd_sgp.common.local_update import LocalUpdates
 from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.node import NodeShard, average_arrays, exact_average, in_node
 from hvd_sgp.common.options import SgpOptions
@@ -78,6 +81,7 @@ class GossipEngine:
         label = telemetry.run_label(options, self.codec.spec, feeds_back(self.codec))
         self.metrics_log = (telemetry.MetricsLog(options.metrics, options.metrics_every,
                                                  layout.world, label) if options.metrics else None)
+        self.local_updates = LocalUpdates(options.samples_per_step)  # (see local_update.py)
         self.connect(layout.world, layout.local, layout.cross)  # world, local, cross, transport
         self.progress = None
         self.elastic = telemetry.ElasticConsistency()
@@ -88,6 +92,7 @@ class GossipEngine:
         # self.steps, set above: exchanges, the graph's iteration, equal on every rank
         self.calls = 0  # end_step calls: the user's loop position (see Repair.world_changed)
         self.in_call = False  # between a begin_step and its end_step
+        self._began = True  # the step's begin_step came before its local step
         self.meet_at = 0  # realigning after a repair: calls before it only step locally,
         # and it begins with an exact average (0: none; repair.py sets it, the step reads it)
         self._planned_ranks = 1  # the ranks begin_step told the adapter to scale for
@@ -232,6 +237,7 @@ class GossipEngine:
             self.repairs[-1]["met_at"] = call  # (the repair's record: the survivors met)
             if self.stage.mode == "allreduce":
                 average_arrays(list(optimizer_state()), self.world)
+        self.local_updates.measure(self.world, self.local)
         wanted = schedule.current(self.stages, self.epoch, self.steps)
         entered = False
         if wanted != self.stage:
@@ -239,6 +245,9 @@ class GossipEngine:
             self._enter(wanted, optimizer_state)
         mode = self.stage.mode
         world = self.outer.averages_gradients(mode)
+        self._began = before_local_step
+        if before_local_step and not world:
+            self.local_updates.before_local_step(self.buffers, self._weights_in_slot())
         ranks = (self.world if world else self.local).Get_size()
         self._planned_ranks = ranks
         return StepPlan(mode, ranks > 1, entered, ranks)
@@ -269,6 +278,8 @@ class GossipEngine:
             grads[:-1] *= self._planned_ranks / ranks  # by 1 / (the ranks it planned for)
         if ranks == 1:
             return
+        if self.local_updates.weighs_samples:  # (uneven workers: by the samples behind them)
+            grads[:-1] *= self.local_updates.in_world if world else self.local_updates.in_node
         grads[-1] = 0.0 if self.join.serving else 1.0 / ranks  # this rank's share of the sum
         sum_in_node = self.join.in_node_sum(sum_in_node)  # a joined rank sums as its peers do
         if sum_in_node is not None and not world:
@@ -305,6 +316,10 @@ class GossipEngine:
                 NodeShard(buf, self.local).gather()
         self.join.resync()  # where ranks of a group served the last step
         self.steps += 1
+        if not self.outer.averages_gradients(mode):  # the numerator step, uneven workers
+            self.local_updates.after_local_step(self.buffers)
+            self.local_updates.end_phase(self.buffers,
+                                         self.outer.phase_ends(self.steps, self.buffers))
         mixers = self.outer.gossiping(self.mixers, self.steps, self.buffers)
         if self.timeline is not None:
             self.timeline.step_boundary(self.steps)
@@ -320,6 +335,13 @@ class GossipEngine:
             self.outer.update(self.buffers, lr)
         if self.metrics_log is not None:
             self.metrics_log.record(self.steps, self.parameters(), float(self.buffers[0][-1]), lr)
+        if not self._began:  # the adapter skips begin_step: the next local step starts here
+            self.local_updates.before_local_step(self.buffers, self._weights_in_slot())
+
+    def _weights_in_slot(self) -> bool:
+        """Whether each buffer's weight slot is all its entries' weight (not random-k's
+        weight per run of entries)."""
+        return all(m.entry_weights() is None for m in self.mixers)
 
     def parameters(self) -> np.ndarray:
         """All de-biased parameters as one host vector (a view for one numpy buffer)."""
@@ -385,6 +407,7 @@ class GossipEngine:
         """Communicate over these communicators (the start's, or a repaired world's, after
         the old transport was freed): a transport of its own over the cross-node one."""
         self.world, self.local, self.cross = world, local, cross
+        self.local_updates.forget()
         self.transport = PeerTransport(cross, self.options.timeout)
         self.transport.timeline = self.timeline
         if self.metrics_log is not None:

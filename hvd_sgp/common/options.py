@@ -123,6 +123,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("outer_fragments", int, 1, "streaming outer steps: the model in this many fragments, "
            "fragment p syncing at the steps congruent to p*local_steps//P modulo local_steps "
            "(peak bytes per step fall P-fold); at most local_steps", minimum=1),
+    Option("samples_per_step", int, None, "this rank's training samples per step, where ranks "
+           "differ (uneven workers: a slower rank given a smaller batch): gradients and "
+           "local updates are weighted by the samples behind them; set on every rank or none",
+           minimum=1, agree="presence"),
     Option("metrics", str, None, "append consensus metrics as JSON lines to this file",
            agree="presence", metavar="PATH"),
     Option("metrics_every", int, 10, "steps between metrics records", minimum=1),

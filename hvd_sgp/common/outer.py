@@ -97,6 +97,15 @@ class OuterLoop:
         """The fragments that sync at step ``step``: those whose offset is ``step`` mod H."""
         return [p for p, offset in enumerate(self.offsets) if step % self.period == offset]
 
+    def phase_ends(self, step: int, buffers: Sequence) -> list[tuple[int, slice]]:
+        """The (buffer, parameter slice) pairs whose local phase ends with step ``step``'s
+        exchange: every buffer, or with fragments the due fragments' slices (local_update.py)."""
+        if self.fragments == 1:
+            return [(i, slice(None)) for i in range(len(buffers))] if self.exchanges(step) else []
+        self._cut(buffers)
+        due = self.due(step)
+        return [(i, slice(start, stop)) for p, i, start, stop in self._layout if p in due]
+
     def gossip_buffers(self, buffers: Sequence) -> list:
         """What the stage's mixers gossip: the buffers themselves, or with fragments one
         PushSum buffer per (fragment, buffer), kept across stages (their weights with them)."""
