@@ -7,8 +7,9 @@ sample-weighted optimum sum_i b_i a_i / sum_i b_i is far from the plain mean of 
 gossip, streamed fragments, AllReduce SGD, Local SGD over AllReduce) ends at the weighted
 optimum; without it, at the plain mean (the check could fail). On a random directed graph and
 under Overlap SGP, where the PushSum weights leave 1, both hold only because a local step moves
-the numerator (local_update.py). The PushSum weights still sum to n exactly; equal samples leave the trajectory bit for bit as without the option; a rank
-that leaves the option out fails at construction on every rank.
+the numerator (local_update.py). The PushSum weights still sum to n exactly; equal samples leave the trajectory bit for bit as without the option; with a
+rank joined, the others' sum is their own sample-weighted mean; a rank that leaves the option
+out fails at construction on every rank.
 """
 import numpy as np
 import torch
@@ -109,6 +110,29 @@ def check_adam_updates_are_weighted_too():
     to_plain = float(np.linalg.norm(plain - WEIGHTED))
     checks.verify(f"Adam: |z - weighted optimum| {to_weighted:.3f} with samples_per_step, "
                   f"{to_plain:.3f} without", to_weighted < 0.5 * to_plain)
+    return None
+
+
+@checks
+def check_a_joined_rank_leaves_the_others_weighted_mean():
+    """AllReduce SGD with the last rank joined early: the others' gradients are averaged by
+    their samples only (the joined rank's share of the sum is 0)."""
+    z = torch.nn.Parameter(torch.zeros(DIM, dtype=torch.float64))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([z], lr=0.05), samples_per_step=SAMPLES[me],
+                                   mode="allreduce")
+    a = torch.tensor(TARGETS[me])
+    steps = 0 if me == n - 1 else 3
+    for _ in range(steps):
+        opt.zero_grad()
+        (0.5 * ((z - a) ** 2).sum()).backward()
+        opt.step()
+    hvd.join()
+    b = np.array(SAMPLES[:-1])[:, None]
+    mean = (b * TARGETS[:-1]).sum(0) / b.sum()  # each step: z <- z - lr (z - mean)
+    off = float(np.linalg.norm(z.detach().numpy() - mean * (1 - 0.95 ** steps)))
+    checks.verify(f"rank {n - 1} joined at once: the others' 3 steps follow their own "
+                  f"sample-weighted mean gradient exactly ({off:.1e} off)",
+                  me == n - 1 or off < 1e-12)
     return None
 
 

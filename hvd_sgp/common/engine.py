@@ -278,9 +278,11 @@ class GossipEngine:
             grads[:-1] *= self._planned_ranks / ranks  # by 1 / (the ranks it planned for)
         if ranks == 1:
             return
-        if self.local_updates.weighs_samples:  # (uneven workers: by the samples behind them)
-            grads[:-1] *= self.local_updates.in_world if world else self.local_updates.in_node
-        grads[-1] = 0.0 if self.join.serving else 1.0 / ranks  # this rank's share of the sum
+        weight = 1.0  # uneven workers: this rank's samples over the group's mean
+        if self.local_updates.weighs_samples:
+            weight = self.local_updates.in_world if world else self.local_updates.in_node
+            grads[:-1] *= weight
+        grads[-1] = 0.0 if self.join.serving else weight / ranks  # its share of the sum
         sum_in_node = self.join.in_node_sum(sum_in_node)  # a joined rank sums as its peers do
         if sum_in_node is not None and not world:
             sum_in_node(grads)
