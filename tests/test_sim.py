@@ -10,7 +10,7 @@ import pytest
 from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.common.pushsum import Audit
 from hvd_sgp.common.topology import CustomGraph
-from hvd_sgp.sim import SimNetwork, simulate
+from hvd_sgp.sim import SimNetwork, make_objective, simulate
 from hvd_sgp.sim.__main__ import main
 from mpi_launch import REPO, run_mpi
 
@@ -109,3 +109,15 @@ def test_no_mpi_no_framework():
              "from hvd_sgp.common.mpi import MPI; assert not MPI.Is_initialized();"
              "assert not {'torch', 'tensorflow'} & set(sys.modules), sys.modules.keys()")
     subprocess.run([sys.executable, "-c", probe], check=True, timeout=60, cwd=REPO)
+
+
+@pytest.mark.parametrize("topology, delay, gap", [("random", 0, 0.01), ("exponential", 2, 8e-4)])
+def test_local_steps_move_the_numerators(topology, delay, gap):
+    """SGP steps the numerator x = w z by the gradient step (local_update.py): wherever the
+    weights leave 1 (a random directed graph, Overlap SGP's delays) the network then settles
+    at the global optimum. Stepping z itself weighed each node's gradients by its weight:
+    16 nodes, 800 steps, the loss 0.030 above the optimum's on the random graph and 1.1e-3
+    with delays (now 2.3e-3 and 6.4e-4)."""
+    records = simulate(topology=topology, nodes=16, steps=800, lr=0.02, delay=delay, seed=0)
+    task = make_objective("quadratic", 16, 8, 0)
+    assert records[-1]["loss"] - task.loss(task.optimum) < gap

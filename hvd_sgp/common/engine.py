@@ -8,9 +8,9 @@ overlapped), symmetric pairwise averaging (``dpsgd``) or nothing (``allreduce``,
 gradients were averaged over the world instead). Int8 and top-k gossip through compressed
 PushSum (choco.py), random-k through exact gossip on shared entries (sparse.py; mixers.py
 chooses); ``local_steps`` decides which steps communicate, and an outer optimizer (SlowMo,
-DiLoCo) moves the model after each average or gossip round of those (outer.py). A local step taken
-at a PushSum weight other than 1 moves the numerator as SGP's does, and ranks with uneven
-batches weigh by their samples (``samples_per_step``; both in local_update.py).
+DiLoCo) moves the model after each average or gossip round of those (outer.py). A local step
+taken at a PushSum weight other than 1 moves the numerator as SGP's does, and ranks with
+uneven batches weigh by their samples (``samples_per_step``; both in local_update.py).
 
 Three collaborators work through the engine's public methods and attributes: ``join``
 (join_serving.py: a joined rank's served steps), ``repair`` (repair.py: the fold and the
@@ -247,7 +247,7 @@ class GossipEngine:
         world = self.outer.averages_gradients(mode)
         self._began = before_local_step
         if before_local_step and not world:
-            self.local_updates.before_local_step(self.buffers, self._weights_in_slot())
+            self.local_updates.before_local_step(self.buffers, self._weights_move())
         ranks = (self.world if world else self.local).Get_size()
         self._planned_ranks = ranks
         return StepPlan(mode, ranks > 1, entered, ranks)
@@ -338,12 +338,12 @@ class GossipEngine:
         if self.metrics_log is not None:
             self.metrics_log.record(self.steps, self.parameters(), float(self.buffers[0][-1]), lr)
         if not self._began:  # the adapter skips begin_step: the next local step starts here
-            self.local_updates.before_local_step(self.buffers, self._weights_in_slot())
+            self.local_updates.before_local_step(self.buffers, self._weights_move())
 
-    def _weights_in_slot(self) -> bool:
-        """Whether each buffer's weight slot is all its entries' weight (not random-k's
-        weight per run of entries)."""
-        return all(m.entry_weights() is None for m in self.mixers)
+    def _weights_move(self) -> bool:
+        """Whether a buffer's weight slot may hold a weight other than 1 that is all its
+        entries' (not random-k's weight per run of entries); else it is not even read."""
+        return self.tracks_weight and all(m.entry_weights() is None for m in self.mixers)
 
     def parameters(self) -> np.ndarray:
         """All de-biased parameters as one host vector (a view for one numpy buffer)."""

@@ -92,11 +92,12 @@ class LocalUpdates:
         for moved in self._moved:
             moved[...] = 0
 
-    def before_local_step(self, buffers: Sequence, by_slot: bool = True) -> None:
+    def before_local_step(self, buffers: Sequence, weights_move: bool = True) -> None:
         """Remember the parameters the local step starts from, where it will be scaled.
-        ``by_slot`` off: the mixers keep a weight per entry (random-k where weights move),
-        and the step is left as it is (not done: dividing entry by entry)."""
-        self._divides = by_slot and any(float(b[-1]) != 1.0 for b in buffers)
+        ``weights_move`` off: every weight is 1 (the mixers reset it), or the mixers keep a
+        weight per entry (random-k where weights move), whose step is left as it is (not
+        done: dividing entry by entry)."""
+        self._divides = weights_move and any(float(b[-1]) != 1.0 for b in buffers)
         self._taken = self.scales_phases or self._divides
         if not self._taken:
             return

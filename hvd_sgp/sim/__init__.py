@@ -29,7 +29,8 @@ def simulate(topology: Union[str, Topology] = "exponential", nodes: int = 64, st
 
     Nodes start apart, at 1 + spread * N(0, 1) per coordinate (a nonzero mean, so that a bias
     shows; spread 0 is a common start, as after broadcast_parameters). Each step is a local
-    gradient step on every node, then one mixing iteration (only every ``local_steps`` steps).
+    gradient step on every node (on its numerator: z moves by the step over the weight), then
+    one mixing iteration (only every ``local_steps`` steps).
     ``codec`` encodes the pushes (lossy ones through compressed PushSum with
     ``consensus_step`` and ``error_feedback``). A record holds the run's settings and:
       consensus_error  sqrt(mean_i ||z_i - xbar||^2), xbar the network's average numerator (in
@@ -54,8 +55,12 @@ def simulate(topology: Union[str, Topology] = "exponential", nodes: int = 64, st
     start = net.average()
     records = [_record(net, task, 0, settings, start)]
     for step in range(1, steps + 1):
-        if lr:
-            net.params[...] -= lr * task.gradient(net.params, rng)
+        if lr:  # SGP's step on the numerators: z moves by the step over w (local_update.py)
+            update = lr * task.gradient(net.params, rng)
+            if debias:
+                weights = net.weights()
+                update /= weights[:, None] if weights.ndim == 1 else weights
+            net.params[...] -= update
         if outer.exchanges(step):
             net.step()
         records.append(_record(net, task, step, settings, start))
