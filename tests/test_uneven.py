@@ -5,12 +5,12 @@ minimising its own quadratic, end at the sample-weighted optimum under every exc
 the plain mean without ``samples_per_step``; the same on 2 two-rank nodes, where the weighting
 inside a node is the exact sum's; the weights still sum to n; equal samples change nothing.
 """
+import pytest
+
 from hvd_sgp.common import options
 from hvd_sgp.common.errors import OptionError
 from hvd_sgp.runner import launch
 from mpi_launch import run_mpi
-
-import pytest
 
 
 def test_uneven_checks_on_four_ranks():
@@ -22,7 +22,8 @@ def test_uneven_checks_on_four_ranks():
 def test_two_rank_nodes():
     """HVD_SGP_LOCAL_SIZE=2: ranks of one node weigh their gradients inside the node's exact
     sum, and the nodes (3 and 9 samples) weigh their updates across."""
-    out = run_mpi(4, "uneven_checks.py", "check_every_exchange_ends_at_the_sample_weighted_optimum",
+    out = run_mpi(4, "uneven_checks.py",
+                  "check_every_exchange_ends_at_the_sample_weighted_optimum",
                   "check_equal_samples_change_nothing", env={"HVD_SGP_LOCAL_SIZE": "2"},
                   timeout=900).stdout
     print(out)

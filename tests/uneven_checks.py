@@ -7,9 +7,10 @@ sample-weighted optimum sum_i b_i a_i / sum_i b_i is far from the plain mean of 
 gossip, streamed fragments, AllReduce SGD, Local SGD over AllReduce) ends at the weighted
 optimum; without it, at the plain mean (the check could fail). On a random directed graph and
 under Overlap SGP, where the PushSum weights leave 1, both hold only because a local step moves
-the numerator (local_update.py). The PushSum weights still sum to n exactly; equal samples leave the trajectory bit for bit as without the option; with a
-rank joined, the others' sum is their own sample-weighted mean; a rank that leaves the option
-out fails at construction on every rank.
+the numerator (local_update.py). The PushSum weights still sum to n exactly; equal samples
+leave the trajectory bit for bit as without the option; with a rank joined, the others' sum
+is their own sample-weighted mean; a rank that leaves the option out fails at construction
+on every rank.
 """
 import numpy as np
 import torch

@@ -320,8 +320,9 @@ class GossipEngine:
         self.steps += 1
         if not self.outer.averages_gradients(mode):  # the numerator step, uneven workers
             self.local_updates.after_local_step(self.buffers)
-            self.local_updates.end_phase(self.buffers,
-                                         self.outer.phase_ends(self.steps, self.buffers))
+            if self.local_updates.scales_phases:
+                self.local_updates.end_phase(self.buffers,
+                                             self.outer.phase_ends(self.steps, self.buffers))
         mixers = self.outer.gossiping(self.mixers, self.steps, self.buffers)
         if self.timeline is not None:
             self.timeline.step_boundary(self.steps)

@@ -56,7 +56,8 @@ class LocalUpdates:
         self._before: list = []  # per buffer: the parameters before the current local step
         self._moved: list = []  # per buffer: what local steps moved it this phase
         self._taken = False  # _before holds the current step's start
-        self._divides = False  # the current step is divided by the weight slot's value
+        self._weights: list[float] = []  # per buffer: the weight the step is taken at, where
+        # one is not 1 (else empty: nothing is divided)
 
     @property
     def weighs_samples(self) -> bool:
@@ -97,12 +98,14 @@ class LocalUpdates:
         ``weights_move`` off: every weight is 1 (the mixers reset it), or the mixers keep a
         weight per entry (random-k where weights move), whose step is left as it is (not
         done: dividing entry by entry)."""
-        self._divides = weights_move and any(float(b[-1]) != 1.0 for b in buffers)
-        self._taken = self.scales_phases or self._divides
+        weights = [float(b[-1]) for b in buffers] if weights_move else []
+        self._weights = weights if any(w != 1.0 for w in weights) else []
+        self._taken = self.scales_phases or bool(self._weights)
         if not self._taken:
             return
         if len(self._before) != len(buffers):
             self._before = [kit_for(b).empty(b, (len(b) - 1,)) for b in buffers]
+        if self.scales_phases and len(self._moved) != len(buffers):
             self._moved = [kit_for(b).empty(b, (len(b) - 1,)) for b in buffers]
             for moved in self._moved:
                 moved[...] = 0
@@ -114,18 +117,17 @@ class LocalUpdates:
         if not self._taken:
             return
         self._taken = False
-        for moved, before, buf in zip(self._moved, self._before, buffers):
-            weight = float(buf[-1])
-            if self._divides and weight != 1.0:  # z = before + (z - before) / w, one pass
-                kit_for(buf).lerp(buf[:-1], before, 1.0 - 1.0 / weight)
+        for i, (before, buf) in enumerate(zip(self._before, buffers)):
+            if self._weights and self._weights[i] != 1.0:  # z = before + (z - before) / w
+                kit_for(buf).lerp(buf[:-1], before, 1.0 - 1.0 / self._weights[i])
             if self.scales_phases:
-                moved += buf[:-1]
-                moved -= before
+                self._moved[i] += buf[:-1]
+                self._moved[i] -= before
 
     def end_phase(self, buffers: Sequence, slices: Slices) -> None:
         """Before the exchange that ends these slices' phase: their update scaled by the
-        node's share, and their phase started over."""
-        if not self.scales_phases or len(self._moved) != len(buffers):
+        node's share, and their phase started over (called where ``scales_phases``)."""
+        if len(self._moved) != len(buffers):
             return
         for i, part in slices:
             moved = self._moved[i][part]
