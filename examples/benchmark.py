@@ -48,6 +48,13 @@ class Mode:
     reference: str = ""  # the raw mode this one is held to (--local)
     set_to_none: bool = True  # the script's zero_grad(set_to_none=...): torch's default
 
+    @property
+    def period(self) -> int:
+        """Steps between exchanges. Such a mode warms up and is timed for --warmup and --iters
+        whole periods, and its step's time is the mean, not the median (which would leave the
+        exchanging step out)."""
+        return self.sgp.get("local_steps", 1)
+
 
 MODES = {
     "plain": Mode("local SGD, no communication", "plain"),
@@ -67,6 +74,11 @@ MODES = {
                                                        "compression": "int8"}),
     "sgp1-topk1": Mode("SGP 1-peer, top-k 1%", "hvd_sgp", {"mode": "sgp", "peers": 1,
                                                            "compression": "topk:0.01"}),
+    "diloco32": Mode("gossip-DiLoCo H=32 (SGP 1-peer, fp32)", "hvd_sgp",
+                     {"mode": "sgp", "peers": 1, "local_steps": 32, "outer_optimizer": "diloco"}),
+    "diloco32-int4": Mode("gossip-DiLoCo H=32 (SGP 1-peer, int4)", "hvd_sgp",
+                          {"mode": "sgp", "peers": 1, "local_steps": 32,
+                           "outer_optimizer": "diloco", "compression": "int4"}),
 }
 # --local: one machine, shared memory; every hvd_sgp path beside the raw MPI exchange it must
 # meet (the launcher makes every rank its own SGP node unless a mode unsets that).
@@ -289,7 +301,8 @@ def idle_probe(comm: Comm, mode: Mode, args) -> dict:
 
 
 def throughput(comm: Comm, mode: Mode, args) -> dict:
-    """Warm-up, then time ``args.iters`` steps of the payload model on a fixed batch."""
+    """Warm-up, then time ``args.iters`` exchanges (steps, or periods of H steps) of the
+    payload model on a fixed batch."""
     import bench_model as bm
     import torch
     model = bm.make_model(args.params, args.hidden, args.layers)
@@ -297,7 +310,8 @@ def throughput(comm: Comm, mode: Mode, args) -> dict:
                                                                 momentum=0.9))
     x, y = bm.synthetic_batch(args.batch, seed=comm.rank)
     extra = args.compute_ms / 1000
-    for _ in range(args.warmup):
+    iters = args.iters * mode.period
+    for _ in range(args.warmup * mode.period):
         bm.train_step(model, optimizer, x, y, extra, mode.set_to_none)
     comm.minimum(0.0)
     tx0 = bm.tx_bytes(args.iface) if args.iface else None
@@ -305,22 +319,24 @@ def throughput(comm: Comm, mode: Mode, args) -> dict:
     codec0 = optimizer.metrics().get("codec_seconds", 0.0) if sent0 is not None else 0.0
     times = []
     cpu = time.process_time()
-    for _ in range(args.iters):
+    for _ in range(iters):
         began = time.perf_counter()
         bm.train_step(model, optimizer, x, y, extra, mode.set_to_none)
         times.append(time.perf_counter() - began)
     cpu = time.process_time() - cpu
     result = {"times": times, "median": statistics.median(times),
-              "cpu_per_iter": cpu / args.iters,
+              "step": (statistics.median(times) if mode.period == 1
+                       else statistics.fmean(times)),
+              "cpu_per_iter": cpu / iters,
               "model_bytes": _unwrap(model).nbytes(), "peak_rss": bm.peak_rss_bytes()}
     if tx0 is not None:
-        result["tx_per_iter"] = (bm.tx_bytes(args.iface) - tx0) / args.iters
+        result["tx_per_iter"] = (bm.tx_bytes(args.iface) - tx0) / iters
     if sent0 is not None:
         metrics = optimizer.metrics()
-        result["sent_per_iter"] = (metrics["bytes_sent"] - sent0) / args.iters
+        result["sent_per_iter"] = (metrics["bytes_sent"] - sent0) / iters
         result["wait_seconds"] = metrics["total_wait_seconds"]
         result["codec_seconds_per_iter"] = (metrics.get("codec_seconds", 0.0)
-                                            - codec0) / args.iters
+                                            - codec0) / iters
     comm.close(optimizer)
     if args.idle_seconds > 0:
         result["idle"] = idle_probe(comm, mode, args)
@@ -444,8 +460,9 @@ def horovod_usable(python: str) -> bool:
 
 
 def _step(ranks: list[dict]) -> float:
-    """One launch's seconds per step: the slowest rank's median."""
-    return max(r["median"] for r in ranks)
+    """One launch's seconds per step: the slowest rank's median (mean over whole periods
+    where a mode exchanges every H steps)."""
+    return max(r["step"] for r in ranks)
 
 
 def _paired(launches: list, against: list) -> dict:
@@ -465,6 +482,7 @@ def summarize_throughput(raw: dict, link_rate: float | None) -> list[dict]:
         compute = statistics.median(_step(l) for l in plain) if plain else 0.0
         base_rss = max(r["peak_rss"] for l in plain for r in l) if plain else None
         reference = raw.get(("allreduce", n))
+        gossip = raw.get(("sgp1", n))
         for name, m in [k for k in raw if k[1] == n]:
             launches = raw[(name, m)]
             ranks = launches[0]
@@ -495,6 +513,10 @@ def summarize_throughput(raw: dict, link_rate: float | None) -> list[dict]:
                 row["extra_model_copies"] = (peak - base_rss) / model_bytes
             if reference and name != "plain":
                 row["vs_allreduce"] = sec / statistics.median(_step(l) for l in reference)
+            if gossip and name != "plain":
+                row["vs_sgp1"] = sec / statistics.median(_step(l) for l in gossip)
+            if compute and name != "plain":
+                row["utilisation"] = compute / sec
             codec = [r["codec_seconds_per_iter"] for r in ranks if "codec_seconds_per_iter" in r]
             if codec and max(codec) > 0:
                 row["codec_sec_per_iter"] = max(codec)
@@ -567,17 +589,22 @@ def markdown(report: dict) -> str:
     """The tables of docs/benchmark.md."""
     setting = (f"Setting: {report['setting']}; model {report['params'] / 1e6:.1f}M parameters "
                f"({report['params'] * 4 / 1e6:.0f} MB), {report['warmup']} warm-up + "
-               f"{report['iters']} measured steps, extra compute {report['compute_ms']} ms/step.")
-    header = ("| n | mode | s/iter | vs AllReduce | MB sent/rank/iter | bound s | "
-              "ratio to bound | peak RSS MB | extra model copies |")
+               f"{report['iters']} measured exchanges (steps; whole periods of H steps for a mode "
+               f"that exchanges every H, its s/iter their mean), extra compute "
+               f"{report['compute_ms']} ms/step.")
+    header = ("| n | mode | s/iter | vs AllReduce | vs fp32 SGP | compute / wall | "
+              "MB sent/rank/iter | CPU s/rank/iter | bound s | ratio to bound | peak RSS MB | "
+              "extra model copies |")
     lines = [f"Command: `{report['command']}`", "", setting, "", header,
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["throughput"]:
         lines.append(
             f"| {r['n']} | {r['label']} | {r['sec_per_iter']:.3f} | "
-            f"{_fmt(r.get('vs_allreduce'), '.2f')} | {r['bytes_per_iter'] / 1e6:.1f}"
+            f"{_fmt(r.get('vs_allreduce'), '.2f')} | {_fmt(r.get('vs_sgp1'), '.2f')} | "
+            f"{_fmt(r.get('utilisation'), '.0%')} | {r['bytes_per_iter'] / 1e6:.1f}"
             f"{'' if r['bytes_source'] == 'interface' else ' (' + r['bytes_source'] + ')'} | "
-            f"{r['bound_sec']:.3f} | {_fmt(r['ratio_to_bound'], '.2f')} | "
+            f"{_fmt(r.get('cpu_per_iter'), '.3f')} | {r['bound_sec']:.3f} | "
+            f"{_fmt(r['ratio_to_bound'], '.2f')} | "
             f"{r['peak_rss'] / 1e6:.0f} | {_fmt(r.get('extra_model_copies'), '.2f')} |")
     if report["tta"]:
         title = (f"Time to accuracy on digits ({report['tta_params'] / 1e6:.1f}M-parameter "
@@ -728,8 +755,10 @@ def parse(argv: list[str] | None = None):
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--batch", type=int, default=None, help="default 64, with --local 8")
     p.add_argument("--compute-ms", type=float, default=0.0, help="extra compute per step")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=None, help="default 10, with --local 8")
+    p.add_argument("--warmup", type=int, default=3, help="warm-up exchanges: steps, or periods "
+                   "of H steps for a mode that exchanges every H (diloco32)")
+    p.add_argument("--iters", type=int, default=None, help="measured exchanges, as --warmup "
+                   "(default 10, with --local 8)")
     p.add_argument("--tta-modes", nargs="*", default=["allreduce", "dpsgd", "sgp1", "osgp1"],
                    choices=list(MODES))
     p.add_argument("--tta-n", type=int, default=8)

@@ -67,14 +67,18 @@ def test_benchmark_tiny(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, str(REPO / "examples" / "benchmark.py"), "--tiny", "--out", str(out),
-         "--markdown", str(tmp_path / "bench.md"), "--plots", str(tmp_path)],
+         "--markdown", str(tmp_path / "bench.md"), "--plots", str(tmp_path),
+         "--modes", "plain", "allreduce", "sgp1", "diloco32"],
         capture_output=True, text=True, timeout=180, cwd=tmp_path, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     rows = {r["mode"]: r for r in report["throughput"]}
-    assert set(rows) == {"plain", "allreduce", "sgp1"}
+    assert set(rows) == {"plain", "allreduce", "sgp1", "diloco32"}
     model = rows["sgp1"]["model_bytes"]
     assert rows["sgp1"]["bytes_per_iter"] >= model  # one model to one peer per iteration
+    # gossip-DiLoCo is timed over whole periods of 32 steps: one exchange in every 32
+    assert abs(32 * rows["diloco32"]["bytes_per_iter"] / rows["sgp1"]["bytes_per_iter"] - 1) < 0.05
+    assert 0 < rows["diloco32"]["utilisation"] and rows["diloco32"]["vs_sgp1"] > 0
     assert all(r["sec_per_iter"] > 0 and r["peak_rss"] > 0 for r in rows.values())
     assert [r["mode"] for r in report["tta"]] == ["allreduce", "osgp1"]
     assert all(r["curve"] for r in report["tta"])

@@ -98,6 +98,28 @@ def test_nesterov_is_torchs_sgd():
     assert np.allclose(mine[0], theirs.numpy(), rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("spec", SPECS + ["slowmo"])
+def test_the_blocked_outer_step_is_the_formula_bit_for_bit(monkeypatch, spec):
+    """MomentumStep works in blocks (outer_steps.BLOCK: no model-sized temporaries, which
+    page-fault afresh at every sync): the same numbers, to the bit, as the formula on whole
+    arrays, over a model that is not a whole number of blocks."""
+    from hvd_sgp.common import outer_steps
+    monkeypatch.setattr(outer_steps, "BLOCK", 4)
+    step = MomentumStep(0.8, 0.6, scaled=True) if spec == "slowmo" else parse(spec)
+    rng = np.random.default_rng(2)
+    mine = [rng.normal(size=11).astype(np.float32)]
+    x0, u = mine[0].copy(), np.zeros(11, np.float32)
+    for k in range(6):
+        lr = 0.1 * (1 + k % 3)
+        d = rng.normal(size=11).astype(np.float32)
+        rate = lr if step.scaled else 1.0
+        g = d / rate if step.scaled else d
+        u = u * step.momentum + g
+        x0 = x0 - (step.lr * rate) * (g + step.momentum * u if step.nesterov else u)
+        step.apply(mine, [d.copy()], lr)
+        assert np.array_equal(mine[0], x0), (spec, k)
+
+
 def test_slowmo_is_the_scaled_heavy_ball_preset():
     """SlowMo's update as the paper writes it, against the loop's preset."""
     loop = OuterLoop(2, slowmo=0.6, slowmo_lr=0.8)

@@ -72,6 +72,7 @@ class OuterLoop:
             MomentumStep(slowmo_lr, slowmo, scaled=True) if slowmo is not None
             else parse(outer_optimizer) if isinstance(outer_optimizer, str) else outer_optimizer)
         self.anchor: Optional[list[np.ndarray]] = None
+        self._pseudo: list[np.ndarray] = []  # the pseudo-gradient's scratch, one per anchor
         self.fragments = int(fragments)
         if self.fragments > 1:
             self.step = self.step or parse("sgd:1")  # plain streaming Local SGD
@@ -192,9 +193,22 @@ class OuterLoop:
         if self.anchor is None:
             self.anchor = [m.copy() for m in models]
             return
-        self.step.apply(self.anchor, [x0 - x for x, x0 in zip(models, self.anchor)], lr)
+        self.step.apply(self.anchor, self._differences(models, self.anchor, range(len(models))),
+                        lr)
         for x, x0 in zip(models, self.anchor):
             x[...] = x0
+
+    def _differences(self, models: Sequence[np.ndarray], anchors: Sequence[np.ndarray],
+                     slots: Sequence) -> list[np.ndarray]:
+        """x0 - x into the scratch (``slots``: each pair's place in it, an index or an
+        (index, slice)): no model-sized array allocated at a sync."""
+        if [len(d) for d in self._pseudo] != [len(a) for a in self.anchor]:
+            self._pseudo = [np.empty_like(a) for a in self.anchor]
+        out = []
+        for x, x0, slot in zip(models, anchors, slots):
+            i, part = slot if isinstance(slot, tuple) else (slot, slice(None))
+            out.append(np.subtract(x0, x, out=self._pseudo[i][part]))
+        return out
 
     def _update_fragments(self, buffers: Sequence, models: list[np.ndarray], lr: float) -> None:
         """The due fragments: their mix (or exact average) into the model, then each one's
@@ -220,8 +234,8 @@ class OuterLoop:
                     x0[...] = x
                 self._started.add(p)
                 continue
-            self.steps[p].apply(self._views[p], [x0 - x for x, x0 in zip(xs, self._views[p])],
-                                lr)
+            slots = [(i, slice(start, stop)) for q, i, start, stop in self._layout if q == p]
+            self.steps[p].apply(self._views[p], self._differences(xs, self._views[p], slots), lr)
             for x, x0 in zip(xs, self._views[p]):
                 x[...] = x0
 

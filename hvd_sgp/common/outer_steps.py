@@ -25,6 +25,10 @@ from hvd_sgp.common.errors import OptionError
 
 PRESETS = {"diloco": ("nesterov", 0.7, 0.9)}
 KINDS = ("nesterov", "heavyball", "sgd")
+# Elements per pass of MomentumStep: its temporaries stay 4 MB, which malloc reuses, where a
+# model-sized temporary is fresh memory at every sync, page-faulted in again (measured: 0.3-1
+# CPU s per 100 MB on this machine, more than the arithmetic).
+BLOCK = 1 << 20
 
 
 class OuterStep:
@@ -33,7 +37,8 @@ class OuterStep:
 
     def apply(self, anchors: Sequence[np.ndarray], pseudo: Sequence[np.ndarray],
               lr: float) -> None:
-        """``anchors[i] -= step(pseudo[i])`` in place; ``lr``: the inner learning rate."""
+        """``anchors[i] -= step(pseudo[i])`` in place; ``lr``: the inner learning rate.
+        ``pseudo`` is the caller's scratch: a step may overwrite it."""
         raise NotImplementedError
 
     def state(self) -> dict:
@@ -65,10 +70,13 @@ class MomentumStep(OuterStep):
         if self.buffers is None:
             self.buffers = [np.zeros_like(a) for a in anchors]
         for x0, d, u in zip(anchors, pseudo, self.buffers):
-            g = d / rate if self.scaled else d
-            u *= self.momentum
-            u += g
-            x0 -= (self.lr * rate) * (g + self.momentum * u if self.nesterov else u)
+            for start in range(0, x0.size, BLOCK):
+                block = slice(start, start + BLOCK)
+                g = d[block] / rate if self.scaled else d[block]
+                v = u[block]
+                v *= self.momentum
+                v += g
+                x0[block] -= (self.lr * rate) * (g + self.momentum * v if self.nesterov else v)
 
     def state(self) -> dict:
         return {} if self.buffers is None else {"momentum": [u.copy() for u in self.buffers]}
