@@ -465,6 +465,12 @@ def _step(ranks: list[dict]) -> float:
     return max(r["step"] for r in ranks)
 
 
+def _utilisation(ranks: list[dict]) -> float:
+    """Compute / wall of a mode that exchanges every H steps, within its own launch: a local
+    step's time (the median step) over the mean step, the slowest rank's."""
+    return min(statistics.median(r["times"]) / statistics.fmean(r["times"]) for r in ranks)
+
+
 def _paired(launches: list, against: list) -> dict:
     """Ratios of seconds per step, launch by launch (launch i of every mode ran in the same
     round, so they saw about the same load): median and range."""
@@ -515,8 +521,8 @@ def summarize_throughput(raw: dict, link_rate: float | None) -> list[dict]:
                 row["vs_allreduce"] = sec / statistics.median(_step(l) for l in reference)
             if gossip and name != "plain":
                 row["vs_sgp1"] = sec / statistics.median(_step(l) for l in gossip)
-            if compute and name != "plain":
-                row["utilisation"] = compute / sec
+            if mode_of(name).period > 1:
+                row["utilisation"] = statistics.median(_utilisation(l) for l in launches)
             codec = [r["codec_seconds_per_iter"] for r in ranks if "codec_seconds_per_iter" in r]
             if codec and max(codec) > 0:
                 row["codec_sec_per_iter"] = max(codec)
@@ -590,8 +596,8 @@ def markdown(report: dict) -> str:
     setting = (f"Setting: {report['setting']}; model {report['params'] / 1e6:.1f}M parameters "
                f"({report['params'] * 4 / 1e6:.0f} MB), {report['warmup']} warm-up + "
                f"{report['iters']} measured exchanges (steps; whole periods of H steps for a mode "
-               f"that exchanges every H, its s/iter their mean), extra compute "
-               f"{report['compute_ms']} ms/step.")
+               f"that exchanges every H, its s/iter their mean; its compute / wall: the median "
+               f"step, a local one, over the mean), extra compute {report['compute_ms']} ms/step.")
     header = ("| n | mode | s/iter | vs AllReduce | vs fp32 SGP | compute / wall | "
               "MB sent/rank/iter | CPU s/rank/iter | bound s | ratio to bound | peak RSS MB | "
               "extra model copies |")
