@@ -92,7 +92,7 @@ def test_nesterov_is_torchs_sgd():
     step = parse("diloco")
     for _ in range(5):
         d = rng.normal(size=7)
-        step.apply(mine, [d], lr=0.1)
+        step.apply(mine, [d.copy()], lr=0.1)  # (pseudo is scratch to a step)
         theirs.grad = torch.tensor(d)
         opt.step()
     assert np.allclose(mine[0], theirs.numpy(), rtol=0, atol=1e-12)

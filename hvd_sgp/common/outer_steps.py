@@ -72,11 +72,17 @@ class MomentumStep(OuterStep):
         for x0, d, u in zip(anchors, pseudo, self.buffers):
             for start in range(0, x0.size, BLOCK):
                 block = slice(start, start + BLOCK)
-                g = d[block] / rate if self.scaled else d[block]
-                v = u[block]
+                g, v = d[block], u[block]
+                if self.scaled:
+                    g /= rate
                 v *= self.momentum
                 v += g
-                x0[block] -= (self.lr * rate) * (g + self.momentum * v if self.nesterov else v)
+                if self.nesterov:  # g + momentum v, in g's place (the same sum, to the bit)
+                    g += self.momentum * v
+                else:
+                    g[...] = v
+                g *= self.lr * rate
+                x0[block] -= g
 
     def state(self) -> dict:
         return {} if self.buffers is None else {"momentum": [u.copy() for u in self.buffers]}
