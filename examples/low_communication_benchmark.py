@@ -52,6 +52,7 @@ VARIANTS = {
     "stream4-int4-h16": ("Local SGD over int4 gossip, H=16, 4 streamed fragments",
                          {"LOCAL_STEPS": "16", "COMPRESSION": "int4", "OUTER_FRAGMENTS": "4"}),
     "int4-h32": ("Local SGD over int4 gossip, H=32", {"LOCAL_STEPS": "32", "COMPRESSION": "int4"}),
+    "int2-h32": ("Local SGD over int2 gossip, H=32", {"LOCAL_STEPS": "32", "COMPRESSION": "int2"}),
 }
 KEPT = ("HVD_SGP_LOCAL_SIZE", "HVD_SGP_TIMEOUT")
 
