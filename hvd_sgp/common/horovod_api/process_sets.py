@@ -202,12 +202,17 @@ def world_ranks_of(comm: MPI.Comm) -> list:
 
 
 def _dup(comm: MPI.Comm, timeout: float) -> MPI.Comm:
-    """A private duplicate of ``comm``, waiting for the other ranks under the deadline."""
+    """A private duplicate of ``comm``, waiting for the other ranks under the deadline.
+
+    Tracked (revoked with the world when a peer is lost) only once it is built: a duplicate
+    cut short by a lost peer is half built, and Open MPI 5.0 dereferences what it lacks
+    when asked to revoke it (a segfault in mca_pml_ob1_revoke_comm, seen in a chaos run); it
+    is left to MPI, neither revoked nor freed."""
     new, request = comm.Idup()
-    track(new)  # revoked with the world when a peer is lost (fault-tolerant mode)
     Wait("the start of hvd_sgp's collectives", lambda: "the ranks that have not started them",
          timeout, error=CollectiveTimeoutError, hint="(call hvd.init() on every rank)").until(
              request.Test)
+    track(new)
     return new
 
 
