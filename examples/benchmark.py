@@ -79,6 +79,10 @@ MODES = {
     "diloco32-int4": Mode("gossip-DiLoCo H=32 (SGP 1-peer, int4)", "hvd_sgp",
                           {"mode": "sgp", "peers": 1, "local_steps": 32,
                            "outer_optimizer": "diloco", "compression": "int4"}),
+    "odiloco32-int4": Mode("gossip-DiLoCo H=32, int4, overlapped (tau=4)", "hvd_sgp",
+                           {"mode": "sgp", "peers": 1, "local_steps": 32,
+                            "outer_optimizer": "diloco", "compression": "int4",
+                            "overlap": True, "max_delay": 4}),
 }
 # --local: one machine, shared memory; every hvd_sgp path beside the raw MPI exchange it must
 # meet (the launcher makes every rank its own SGP node unless a mode unsets that).

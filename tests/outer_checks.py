@@ -4,7 +4,8 @@ outer_optimizer='diloco' with local_steps=8 over both averaging paths: exact All
 rank holds one model after each sync, and only then) and one PushSum round (bytes only at
 syncs, the weights still sum to n); both train. A torch optimizer factory computes what the
 numpy preset computes; 'sgd:1' is plain Local SGD; streaming fragments send 1/P of the model
-at the busiest step; the outer state resumes exactly from a checkpoint; bad input fails at
+at the busiest step; under Overlap SGP the outer step lands tau steps after its round, on
+the synchronous trajectory when no progress is made meanwhile; the outer state resumes exactly from a checkpoint; bad input fails at
 construction naming the rank.
 """
 import copy
@@ -126,6 +127,51 @@ def check_diloco_over_gossip():
         lines.append(f"{label}: the nodes' weights sum to {total:.12f}, loss {before:.3f} -> "
                      f"{after:.3f} ({loss_of(model):.3f} averaged)")
     return f"diloco over PushSum gossip, H={H}, bytes only at syncs; " + "; ".join(lines)
+
+
+@checks
+def check_overlapped_outer_step_lands_later_with_the_progress():
+    """Overlap SGP delays each outer step by tau steps, its round running beside them. With
+    the inner lr 0 in those tau steps (no progress while the round is out), the trajectory
+    is the synchronous run's, step by step; with progress, the run still trains and every
+    piece's weights still sum to the number of nodes."""
+    tau = 2
+
+    def trained(quiet: bool, **sgp):
+        model = mlp(7)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       mode="sgp", local_steps=H, outer_optimizer="diloco",
+                                       **sgp)
+        gen = torch.Generator().manual_seed(me)
+        trace = []
+        for k in range(4 * H):
+            still = quiet and k >= H and k % H < tau  # the tau steps after a sync
+            opt.param_groups[0]["lr"] = 0.0 if still else 0.1
+            step(opt, model, gen)
+            trace.append(flat(model))
+        return model, opt, trace
+
+    _, _, sync = trained(True)
+    model, opt, overlapped = trained(True, overlap=True, max_delay=tau)
+    landed = [k for k in range(4 * H) if (k + 1) % H >= tau]  # (else: a round is out)
+    gap = max((sync[k] - overlapped[k]).abs().max().item() for k in landed)
+    assert gap < 1e-6, gap
+    before = loss_of(mlp(7))
+    model, opt, _ = trained(False, overlap=True, max_delay=tau)
+    engine = opt._sgp_session().engine
+    assert engine.outer.delay == (tau if engine.mixers else 0), engine.outer.delay
+    assert engine.outer.pending == bool(engine.mixers)  # the last sync's round is out
+    engine.drain()  # lands it
+    assert not engine.outer.pending
+    local = engine.local.Get_size()
+    weights = [float(m.buffer[-1]) for m in engine.mixers]
+    totals = np.sum(hvd.allgather_object(np.array(weights) / local), axis=0) if weights else []
+    assert all(abs(t - n / local) < 1e-9 for t in totals), totals
+    after = loss_of(model)
+    assert after < 0.5 * before, (before, after)
+    return (f"overlap tau={tau}: the outer step lands {tau} steps after its round; no progress "
+            f"meanwhile: the synchronous trajectory to {gap:.1e}; with it loss {before:.3f} -> "
+            f"{after:.3f}, each piece's weights sum to {n // local}")
 
 
 def nesterov(params) -> torch.optim.Optimizer:

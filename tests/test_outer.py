@@ -279,3 +279,97 @@ def test_peak_bytes_fall_p_fold_in_the_simulator():
     for fragments in (2, 4, 8):
         assert peaks[1] / peaks[fragments] > 0.99 * fragments, peaks
         assert totals[fragments] == pytest.approx(totals[1], rel=0.01), totals
+
+
+
+def delayed(graph, spec: str, fragments: int, period: int, delay: int, steps: int, seed: int,
+            still: int = 0, dim: int = 9):
+    """Gossip DiLoCo with each outer step landing ``delay`` steps after its round began (as
+    under Overlap SGP; the simulator's rounds complete at once, the arithmetic is the same).
+    Per step every node takes a random local step, none in the ``still`` steps after a
+    round began; yields per step (per piece: the sum of weights and of weight x values over
+    the nodes, as the round began and at the step's end; the models; the parameter slices
+    whose outer step landed)."""
+    rng = np.random.default_rng(seed)
+    n = graph.n
+    mailbox = Mailbox(0, seed)
+    buffers = [np.append(1 + rng.normal(size=dim), 1.0) for _ in range(n)]
+    loops = [OuterLoop(period, outer_optimizer=spec, fragments=fragments) for _ in range(n)]
+    for loop in loops:
+        loop.defer(True, delay)
+    mixers = [[build(piece, graph, SimTransport(mailbox, i, n))
+               for piece in loops[i].gossip_buffers([buffers[i]])] for i in range(n)]
+    quiet = set()  # steps without local progress
+    for step in range(1, steps + 1):
+        noise = rng.normal(size=(n, dim))
+        if step not in quiet:
+            for buf, x in zip(buffers, noise):
+                buf[:-1] -= 0.1 * x
+        chosen = [loops[i].gossiping(mixers[i], step, [buffers[i]]) for i in range(n)]
+        if any(chosen):
+            quiet.update(range(step + 1, step + 1 + still))
+        pieces = [[loops[i]._pieces[k] for i in range(n)] for k in range(len(loops[0]._layout))]
+
+        def masses():
+            return [(sum(p[-1] for p in row), sum(p[-1] * p[:-1] for p in row))
+                    for row in pieces]
+        began = masses()
+        exchange([m for row in chosen for m in row])
+        landed = []
+        for i in range(n):
+            if loops[i].steps_outer(step):
+                landed = [slice(start, stop) for p, _, start, stop in loops[i]._layout
+                          if p in loops[i]._landing]
+                loops[i].update([buffers[i]], 0.1)
+        yield began, masses(), np.array(buffers), landed
+
+
+@settings(max_examples=25, deadline=None)
+@given(graph=graphs(), spec=st.sampled_from(SPECS), fragments=st.integers(1, 3),
+       extra=st.integers(0, 3), delay=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_a_delayed_outer_step_is_the_immediate_one_plus_the_progress_meanwhile(
+        graph, spec, fragments, extra, delay, seed):
+    """Overlap SGP's delayed outer step against the immediate one (delay 0), same seed.
+    Without local progress while a round is out, the two runs are equal bit for bit at
+    every landing (x0' + 0.0). With it, the delayed run's landing model minus the immediate
+    run's (which took the same outer step on the same mix, had it the same progress before)
+    is the progress; and every round conserves each piece's PushSum mass, the outer step
+    leaves it, and the weights sum to n."""
+    period = fragments + extra + 1
+    delay = min(delay, period - 1)
+    steps = 3 * period + delay
+    reference = [models for *_, models, _ in
+                 delayed(graph, spec, fragments, period, 0, steps, seed, still=delay)]
+    lands = 0
+    for step, (*_, models, landed) in enumerate(
+            delayed(graph, spec, fragments, period, delay, steps, seed, still=delay)):
+        for part in landed:  # the immediate run has stood at this fragment since its round
+            assert np.array_equal(models[:, part], reference[step][:, part]), (step, part)
+            lands += 1
+    assert lands >= 2 * fragments
+    for began, ended, _, _ in delayed(graph, spec, fragments, period, delay, steps, seed):
+        for (w0, m0), (w1, m1) in zip(began, ended):
+            assert w0 == pytest.approx(graph.n, abs=1e-12) and w1 == pytest.approx(w0, abs=1e-12)
+            assert np.allclose(m1, m0, rtol=1e-12, atol=1e-12)
+
+
+
+
+def test_the_landing_model_is_the_new_anchor_plus_the_progress():
+    """One fragment, H = 4, delay 2, on 4 nodes, same seed with and without progress while
+    the round is out: at each landing the two models differ by exactly the local steps
+    taken since the round began (the run without them stands at the new anchor, as an
+    immediate outer step would)."""
+    graph, period, delay, steps, dim = ExponentialGraph(4), 4, 2, 12, 9
+    moving = [m for *_, m, _ in delayed(graph, "diloco", 1, period, delay, steps, 7, dim=dim)]
+    still = [m for *_, m, _ in delayed(graph, "diloco", 1, period, delay, steps, 7,
+                                       still=delay, dim=dim)]
+    rng = np.random.default_rng(7)  # the helper's draws: the start, then a step's noise
+    rng.normal(size=(graph.n, dim))
+    noise = [None] + [rng.normal(size=(graph.n, dim)) for _ in range(steps)]
+    assert np.array_equal(moving[period - 1], still[period - 1])  # the first round's models
+    landing = period + delay
+    progress = -0.1 * sum(noise[s] for s in range(period + 1, landing + 1))
+    assert not np.allclose(progress, 0)
+    assert np.allclose(moving[landing - 1][:, :-1] - still[landing - 1][:, :-1], progress,
+                       rtol=0, atol=1e-12)

@@ -152,7 +152,7 @@ class EngineCheckpoint:
                      "weights": [float(b[-1]) for b in engine.buffers],
                      "rank": engine.world.Get_rank() if live else None,
                      "size": engine.world.Get_size() if live else None,
-                     "settled": not _in_flight(engine.mixers)}
+                     "settled": not _in_flight(engine.mixers) and not engine.outer.pending}
             if engine.outer.step is not None:
                 state["outer"] = engine.outer.state()
             if engine.codec.differential:

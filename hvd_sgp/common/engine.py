@@ -90,6 +90,7 @@ class GossipEngine:
         self.outer.average = lambda buf, w: exact_average(buf, self.cross, self.local, w)
         self.epoch = 0
         # self.steps, set above: exchanges, the graph's iteration, equal on every rank
+        self._lr = 0.0  # the last step's learning rate (an outer step landing early takes it)
         self.calls = 0  # end_step calls: the user's loop position (see Repair.world_changed)
         self.in_call = False  # between a begin_step and its end_step
         self._began = True  # the step's begin_step came before its local step
@@ -171,7 +172,7 @@ class GossipEngine:
         """Switch exchange; every rank switches at the same step, so they stay consistent.
         Weights kept per entry (random-k where weights move) are folded in exactly first:
         the new stage's mixers start from weight 1."""
-        drain(self.mixers)
+        self._drain()
         # AllReduce SGD must start from identical parameters and optimizer state
         to_allreduce = (self.stage is not None and stage.mode == "allreduce"
                         and self.stage.mode != "allreduce")
@@ -182,7 +183,9 @@ class GossipEngine:
         was_tracking = self.stage is not None and self.tracks_weight
         self.stage = stage
         nodes = self.cross.Get_size()
-        if stage.mode == "allreduce" or nodes == 1:
+        gossips = stage.mode != "allreduce" and nodes > 1
+        self.outer.defer(stage.overlap and gossips, self.options.max_delay)
+        if not gossips:
             # one SGP node: every local rank took the same step from the same averaged
             # gradients, so there is no peer to mix with and no shard to gather back
             self.mixers = []
@@ -200,7 +203,9 @@ class GossipEngine:
                              max_delay=self.options.max_delay,
                              consensus_step=self.options.consensus_step,
                              error_feedback=self.options.error_feedback,
-                             in_place=True)  # the buffers are written after begin_step
+                             # the buffers are written after begin_step; a delayed outer
+                             # step's pieces are not, so their pushes copy and never block
+                             in_place=not self.outer.delay)
                        for buf in self.outer.gossip_buffers(self.buffers)]
         self.outer.set_rounds(self.mixers, self.steps)
         if was_tracking and not self.tracks_weight:
@@ -333,8 +338,10 @@ class GossipEngine:
             exchange(mixers)
         if self.outer.synchronizes(self.steps, mode):
             self._average_parameters()
+        self._lr = lr
         if self.outer.steps_outer(self.steps):
-            drain(self.mixers)  # Overlap SGP: the outer step takes the whole round's mix
+            # Overlap SGP: the outer step takes the whole round's mix
+            drain(self.outer.landing_mixers(self.mixers))
             self.outer.update(self.buffers, lr)
         if self.metrics_log is not None:
             self.metrics_log.record(self.steps, self.parameters(), float(self.buffers[0][-1]), lr)
@@ -356,7 +363,7 @@ class GossipEngine:
         """On request, one allreduce: this rank's deviation from the network mean, the
         consensus distance and the elastic-consistency estimate (max deviation / lr)."""
         def measure() -> dict:
-            drain(self.mixers)
+            self._drain()
             result = telemetry.consensus(self.parameters(), self.world)
             result["elastic"] = self.elastic.update(result["deviation"], lr)
             return result
@@ -369,14 +376,21 @@ class GossipEngine:
 
     def drain(self) -> None:
         """Complete every exchange in flight (only Overlap SGP leaves any between steps)."""
-        self.guard(lambda: drain(self.mixers), "draining the exchanges in flight")
+        self.guard(self._drain, "draining the exchanges in flight")
+
+    def _drain(self) -> None:
+        """Every exchange in flight completed, and a delayed outer step's round landed (the
+        first stage has none yet)."""
+        drain(self.mixers)
+        if self.stage is not None and self.outer.settles():
+            self.outer.update(self.buffers, self._lr)
 
     def average_parameters(self) -> None:
         """Exact consensus: every rank gets sum_i(w_i z_i) / sum_i(w_i), and weight 1."""
         self.guard(self._average_parameters, "the exact average")
 
     def _average_parameters(self) -> None:
-        drain(self.mixers)
+        self._drain()
         if not self.outer.fold(self.buffers, self.mixers):  # (fragments: each by its weight)
             self.fold([m.entry_weights() for m in self.mixers])
         for mixer in self.mixers:

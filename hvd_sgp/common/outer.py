@@ -24,6 +24,17 @@ every H steps. Over gossip every fragment is a PushSum buffer of its own, with i
 (copied in from the model before its round and back after it), so each fragment's mass is
 conserved exactly, as the whole buffer's is; each fragment has its own outer-step state.
 
+With Overlap SGP (``overlap=True`` over gossip) a fragment's round runs beside computation:
+it starts at the fragment's step (a copy of the fragment, pushed without blocking) and its
+outer step lands ``delay = min(max_delay, H - 1)`` steps later, after the local steps taken
+meanwhile. Those are kept: the fragment becomes x0' + (x_now - x_sent), the outer step's new
+anchor plus the local progress since the round began, and that progress counts in the next
+pseudo-gradient (Streaming DiLoCo's overlapped outer step, arXiv 2501.18512, section 2.3,
+with the local progress kept rather than mixed by alpha). Even one fragment then gossips a
+PushSum buffer of its own, so the model is free for the local steps. A drain, a stage switch,
+an exact average or a checkpoint's settled state lands a round early (with the progress so
+far); a restore or a repair drops it, as it drops the messages in flight.
+
 The first sync only records x0, since ranks may not start from one model. x0 and the outer
 step's state (momentum) are part of the optimizer's checkpointed state; a repair (a lost
 rank) starts them afresh, since the fold replaces every model by the survivors' average.
@@ -72,12 +83,14 @@ class OuterLoop:
             MomentumStep(slowmo_lr, slowmo, scaled=True) if slowmo is not None
             else parse(outer_optimizer) if isinstance(outer_optimizer, str) else outer_optimizer)
         self.anchor: Optional[list[np.ndarray]] = None
-        self._pseudo: list[np.ndarray] = []  # the pseudo-gradient's scratch, one per anchor
+        self._pseudo: list[np.ndarray] = []  # the pseudo-gradient's scratch, one per buffer
         self.fragments = int(fragments)
         if self.fragments > 1:
             self.step = self.step or parse("sgd:1")  # plain streaming Local SGD
-            self.steps = [self.step] + [copy.deepcopy(self.step)
-                                        for _ in range(self.fragments - 1)]
+        self.steps = [self.step] + [copy.deepcopy(self.step) for _ in range(self.fragments - 1)]
+        self.delay = 0  # steps an outer step waits for its round (Overlap SGP; see defer)
+        self._rounds: dict[int, int] = {}  # fragment -> step its delayed round began
+        self._landing: list[int] = []  # the fragments whose outer step is taken now
         self.offsets = [p * self.period // self.fragments for p in range(self.fragments)]
         self.average: Optional[Average] = None  # the engine's exact average of one buffer
         self._layout: list[tuple[int, int, int, int]] = []  # (fragment, buffer, start, stop)
@@ -85,12 +98,22 @@ class OuterLoop:
         self._views: Optional[list[list[np.ndarray]]] = None  # each fragment's anchor slices
         self._started: set[int] = set()  # fragments whose anchor is recorded
         self._sizes: list[int] = []  # the buffers' parameter counts the layout was cut for
-        self._due: list[int] = []  # the fragments due at the step being ended
         self._gossiped = False  # they went through gossip mixers (else: an exact average)
+
+    def defer(self, overlapped: bool, max_delay: int) -> None:
+        """For the stage's mixers about to be built: an overlapped gossip stage delays each
+        outer step by min(max_delay, H - 1) steps (none where H = 1 or without an outer step)."""
+        delays = overlapped and self.step is not None and not self.gossips_between
+        self.delay = min(max_delay, self.period - 1) if delays else 0
+
+    @property
+    def streamed(self) -> bool:
+        """Whether the stage gossips per-fragment PushSum buffers (not the model's own)."""
+        return self.fragments > 1 or self.delay > 0
 
     def exchanges(self, step: int) -> bool:
         """Whether step number ``step`` (counted from 1) ends with the stage's exchange."""
-        if self.fragments > 1:
+        if self.streamed:
             return bool(self.due(step))
         return self.gossips_between or step % self.period == 0
 
@@ -101,7 +124,7 @@ class OuterLoop:
     def phase_ends(self, step: int, buffers: Sequence) -> list[tuple[int, slice]]:
         """The (buffer, parameter slice) pairs whose local phase ends with step ``step``'s
         exchange: every buffer, or with fragments the due fragments' slices (local_update.py)."""
-        if self.fragments == 1:
+        if not self.streamed:
             return [(i, slice(None)) for i in range(len(buffers))] if self.exchanges(step) else []
         self._cut(buffers)
         due = self.due(step)
@@ -110,7 +133,7 @@ class OuterLoop:
     def gossip_buffers(self, buffers: Sequence) -> list:
         """What the stage's mixers gossip: the buffers themselves, or with fragments one
         PushSum buffer per (fragment, buffer), kept across stages (their weights with them)."""
-        if self.fragments == 1:
+        if not self.streamed:
             return list(buffers)
         self._cut(buffers)
         return list(self._pieces)
@@ -130,21 +153,29 @@ class OuterLoop:
 
     def gossiping(self, mixers: Sequence, step: int, buffers: Sequence) -> list:
         """The mixers that exchange at step ``step``; with fragments, the due fragments'
-        mixers, their buffers loaded from the model (their weights stay theirs)."""
-        if self.fragments == 1:
+        mixers, their buffers loaded from the model (their weights stay theirs; a delayed
+        round also keeps what it sent, to find the local progress made meanwhile)."""
+        if not self.streamed:
             return list(mixers) if self.exchanges(step) else []
-        self._due, self._gossiped = self.due(step), bool(mixers)
+        due, self._gossiped = self.due(step), bool(mixers)
         chosen = []
+        sent = self._scratch([host_view(b)[:-1] for b in buffers]) if self.delay else None
         for k, (p, i, start, stop) in enumerate(self._layout if mixers else ()):
-            if p in self._due:
+            if p in due:
                 self._pieces[k][:-1] = host_view(buffers[i])[start:stop]
+                if sent is not None:
+                    sent[i][start:stop] = self._pieces[k][:-1]
                 chosen.append(mixers[k])
+        if self.delay and mixers:
+            self._rounds.update((p, step) for p in due)
+        else:
+            self._landing = due
         return chosen
 
     def fold(self, buffers: Sequence, mixers: Sequence) -> bool:
         """With fragments gossiped, the exact average of every fragment by its own weight
         (or its mixer's entry weights), into the model; False: the engine folds the buffers."""
-        if self.fragments == 1 or not self._layout or len(mixers) != len(self._layout):
+        if not self.streamed or not self._layout or len(mixers) != len(self._layout):
             return False
         for k, (_, i, start, stop) in enumerate(self._layout):
             piece, model = self._pieces[k], host_view(buffers[i])
@@ -162,7 +193,7 @@ class OuterLoop:
 
     def set_rounds(self, mixers: Sequence, steps: int) -> None:
         """Every mixer at its iteration after ``steps`` steps (as on every other rank)."""
-        fragments = [p for p, _, _, _ in self._layout] if self.fragments > 1 else []
+        fragments = [p for p, _, _, _ in self._layout] if self.streamed else []
         for k, mixer in enumerate(mixers):
             mixer.iteration = self.rounds(steps, fragments[k] if fragments else 0)
 
@@ -177,17 +208,38 @@ class OuterLoop:
         return exact and self.fragments == 1 and step % self.period == 0
 
     def steps_outer(self, step: int) -> bool:
-        """Whether step ``step`` ends with the outer step (after its average or gossip)."""
+        """Whether step ``step`` ends with an outer step (after its average or gossip, or with
+        a delay, the rounds that began ``delay`` steps before: those land now)."""
+        if self.delay:
+            self._landing = [p for p, began in self._rounds.items() if began + self.delay <= step]
+            return bool(self._landing)
         if self.fragments > 1:
             return bool(self.due(step))
         return self.step is not None and step % self.period == 0
+
+    def settles(self) -> bool:
+        """Whether a delayed round is under way; if so, its outer step is the next
+        ``update`` (landing early, with the local progress so far)."""
+        self._landing = list(self._rounds)
+        return bool(self._landing)
+
+    @property
+    def pending(self) -> bool:
+        """Whether a delayed round is under way (its outer step not yet taken)."""
+        return bool(self._rounds)
+
+    def landing_mixers(self, mixers: Sequence) -> list:
+        """The mixers whose round the outer step about to be taken needs complete."""
+        if not self.streamed:
+            return list(mixers)
+        return [m for m, (p, _, _, _) in zip(mixers, self._layout) if p in self._landing]
 
     def update(self, buffers: Sequence, lr: float) -> None:
         """The outer step on the averaged buffers' de-biased parameters (the weights stay)."""
         if self.step is None:
             return
         models = [host_view(b)[:-1] for b in buffers]
-        if self.fragments > 1:
+        if self.streamed:
             self._update_fragments(buffers, models, lr)
             return
         if self.anchor is None:
@@ -198,61 +250,81 @@ class OuterLoop:
         for x, x0 in zip(models, self.anchor):
             x[...] = x0
 
+    def _scratch(self, like: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """One array like each of ``like`` (the models), allocated once: no model-sized
+        array at a sync."""
+        if [len(d) for d in self._pseudo] != [len(a) for a in like]:
+            self._pseudo = [np.empty_like(a) for a in like]
+        return self._pseudo
+
     def _differences(self, models: Sequence[np.ndarray], anchors: Sequence[np.ndarray],
                      slots: Sequence) -> list[np.ndarray]:
         """x0 - x into the scratch (``slots``: each pair's place in it, an index or an
-        (index, slice)): no model-sized array allocated at a sync."""
-        if [len(d) for d in self._pseudo] != [len(a) for a in self.anchor]:
-            self._pseudo = [np.empty_like(a) for a in self.anchor]
+        (index, slice))."""
+        scratch = self._scratch(self.anchor)
         out = []
         for x, x0, slot in zip(models, anchors, slots):
             i, part = slot if isinstance(slot, tuple) else (slot, slice(None))
-            out.append(np.subtract(x0, x, out=self._pseudo[i][part]))
+            out.append(np.subtract(x0, x, out=scratch[i][part]))
         return out
 
     def _update_fragments(self, buffers: Sequence, models: list[np.ndarray], lr: float) -> None:
-        """The due fragments: their mix (or exact average) into the model, then each one's
-        outer step on its slices (a fragment's first sync records its anchor)."""
+        """The landing fragments: each one's outer step on its mix (or exact average), from
+        its anchor slices (a fragment's first sync records its anchor); the model's slices
+        become the new anchor, plus the local progress since a delayed round began."""
         self._cut(buffers)
-        for k, (p, i, start, stop) in enumerate(self._layout):
-            if p not in self._due:
-                continue
-            piece, model = self._pieces[k], models[i]
-            if not self._gossiped:  # mode='allreduce': this fragment's exact average
-                piece[:-1], piece[-1] = model[start:stop], 1
-                self.average(piece, None)
-            model[start:stop] = piece[:-1]
         if self.anchor is None:
             self.anchor, self._views = [m.copy() for m in models], None
         if self._views is None:  # fixed views: a framework's optimizer holds them
             self._views = [[self.anchor[i][start:stop] for q, i, start, stop in self._layout
                             if q == p] for p in range(self.fragments)]
-        for p in self._due:
-            xs = [models[i][start:stop] for q, i, start, stop in self._layout if q == p]
-            if p not in self._started:
-                for x, x0 in zip(xs, self._views[p]):
+        for p in self._landing:
+            delayed = self._rounds.pop(p, None) is not None
+            entries = [(k, i, slice(start, stop))
+                       for k, (q, i, start, stop) in enumerate(self._layout) if q == p]
+            for k, i, part in entries:
+                piece = self._pieces[k]
+                if not self._gossiped:  # mode='allreduce': this fragment's exact average
+                    piece[:-1], piece[-1] = models[i][part], 1
+                    self.average(piece, None)
+                if delayed:  # the local progress since the round's copy was sent
+                    np.subtract(models[i][part], self._pseudo[i][part], out=models[i][part])
+            mixes = [self._pieces[k][:-1] for k, _, _ in entries]
+            if p in self._started:
+                slots = [(i, part) for _, i, part in entries]
+                self.steps[p].apply(self._views[p],
+                                    self._differences(mixes, self._views[p], slots), lr)
+            else:
+                for x, x0 in zip(mixes, self._views[p]):
                     x0[...] = x
                 self._started.add(p)
-                continue
-            slots = [(i, slice(start, stop)) for q, i, start, stop in self._layout if q == p]
-            self.steps[p].apply(self._views[p], self._differences(xs, self._views[p], slots), lr)
-            for x, x0 in zip(xs, self._views[p]):
-                x[...] = x0
+            for (_, i, part), x0 in zip(entries, self._views[p]):
+                if delayed:
+                    models[i][part] += x0
+                else:
+                    models[i][part] = x0
 
     def state(self) -> Optional[dict]:
         if self.anchor is None:
             return None
-        if self.fragments > 1:
+        if self.streamed:
             return {"anchor": [x0.copy() for x0 in self.anchor], "started": sorted(self._started),
                     "fragments": [step.state() for step in self.steps]}
         return {"anchor": [x0.copy() for x0 in self.anchor], **self.step.state()}
 
     def load_state(self, state: Optional[dict]) -> None:
-        """Restore ``state()``; None starts afresh (also after a repair)."""
+        """Restore ``state()``; None starts afresh (also after a repair). A delayed round
+        under way is dropped, as the messages in flight are. One fragment's state loads
+        whether or not it was saved streamed (overlap switched at the resume)."""
         if self.step is None:
             return
+        self._rounds.clear()
+        if state is not None and self.fragments == 1 and self.streamed != ("fragments" in state):
+            state = ({"anchor": state["anchor"], **state["fragments"][0]} if not self.streamed
+                     else {"anchor": state["anchor"], "started": [0],
+                           "fragments": [{k: v for k, v in state.items() if k != "anchor"}]})
         self.anchor = None if state is None else [np.array(a) for a in state["anchor"]]
-        if self.fragments > 1:
+        if self.streamed:
             self._views = None
             self._started = set() if state is None else set(state["started"])
             for k, step in enumerate(self.steps):
