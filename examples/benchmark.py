@@ -79,6 +79,9 @@ MODES = {
     "diloco32-int4": Mode("gossip-DiLoCo H=32 (SGP 1-peer, int4)", "hvd_sgp",
                           {"mode": "sgp", "peers": 1, "local_steps": 32,
                            "outer_optimizer": "diloco", "compression": "int4"}),
+    "odiloco32": Mode("gossip-DiLoCo H=32, fp32, overlapped (tau=8)", "hvd_sgp",
+                      {"mode": "sgp", "peers": 1, "local_steps": 32, "outer_optimizer": "diloco",
+                       "overlap": True, "max_delay": 8}),
     "odiloco32-int4": Mode("gossip-DiLoCo H=32, int4, overlapped (tau=4)", "hvd_sgp",
                            {"mode": "sgp", "peers": 1, "local_steps": 32,
                             "outer_optimizer": "diloco", "compression": "int4",
@@ -475,6 +478,13 @@ def _utilisation(ranks: list[dict]) -> float:
     return min(statistics.median(r["times"]) / statistics.fmean(r["times"]) for r in ranks)
 
 
+def _profile(ranks: list[dict], period: int) -> list[float]:
+    """Where a period's time goes: the slowest rank's mean seconds at each step of the
+    period (step H is the sync; under overlap its outer step lands tau steps later)."""
+    slowest = max(ranks, key=lambda r: statistics.fmean(r["times"]))
+    return [statistics.fmean(slowest["times"][k::period]) for k in range(period)]
+
+
 def _paired(launches: list, against: list) -> dict:
     """Ratios of seconds per step, launch by launch (launch i of every mode ran in the same
     round, so they saw about the same load): median and range."""
@@ -527,6 +537,7 @@ def summarize_throughput(raw: dict, link_rate: float | None) -> list[dict]:
                 row["vs_sgp1"] = sec / statistics.median(_step(l) for l in gossip)
             if mode_of(name).period > 1:
                 row["utilisation"] = statistics.median(_utilisation(l) for l in launches)
+                row["period_profile"] = _profile(launches[0], mode_of(name).period)
             codec = [r["codec_seconds_per_iter"] for r in ranks if "codec_seconds_per_iter" in r]
             if codec and max(codec) > 0:
                 row["codec_sec_per_iter"] = max(codec)

@@ -131,16 +131,16 @@ def check_diloco_over_gossip():
 
 @checks
 def check_overlapped_outer_step_lands_later_with_the_progress():
-    """Overlap SGP delays each outer step by tau steps, its round running beside them. With
-    the inner lr 0 in those tau steps (no progress while the round is out), the trajectory
-    is the synchronous run's, step by step; with progress, the run still trains and every
-    piece's weights still sum to the number of nodes."""
-    tau = 2
+    """Overlap SGP delays each outer step (plain Local SGD's sync too) by tau steps, its
+    round running beside them. With the inner lr 0 in those tau steps (no progress while the
+    round is out), the trajectory is the synchronous run's, step by step; with progress, the
+    run still trains and every piece's weights still sum to the number of nodes."""
+    tau, lines = 2, []
 
-    def trained(quiet: bool, **sgp):
+    def trained(quiet: bool, outer, **sgp):
         model = mlp(7)
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                       mode="sgp", local_steps=H, outer_optimizer="diloco",
+                                       mode="sgp", local_steps=H, outer_optimizer=outer,
                                        **sgp)
         gen = torch.Generator().manual_seed(me)
         trace = []
@@ -151,27 +151,30 @@ def check_overlapped_outer_step_lands_later_with_the_progress():
             trace.append(flat(model))
         return model, opt, trace
 
-    _, _, sync = trained(True)
-    model, opt, overlapped = trained(True, overlap=True, max_delay=tau)
-    landed = [k for k in range(4 * H) if (k + 1) % H >= tau]  # (else: a round is out)
-    gap = max((sync[k] - overlapped[k]).abs().max().item() for k in landed)
-    assert gap < 1e-6, gap
     before = loss_of(mlp(7))
-    model, opt, _ = trained(False, overlap=True, max_delay=tau)
-    engine = opt._sgp_session().engine
-    assert engine.outer.delay == (tau if engine.mixers else 0), engine.outer.delay
-    assert engine.outer.pending == bool(engine.mixers)  # the last sync's round is out
-    engine.drain()  # lands it
-    assert not engine.outer.pending
-    local = engine.local.Get_size()
-    weights = [float(m.buffer[-1]) for m in engine.mixers]
-    totals = np.sum(hvd.allgather_object(np.array(weights) / local), axis=0) if weights else []
-    assert all(abs(t - n / local) < 1e-9 for t in totals), totals
-    after = loss_of(model)
-    assert after < 0.5 * before, (before, after)
-    return (f"overlap tau={tau}: the outer step lands {tau} steps after its round; no progress "
-            f"meanwhile: the synchronous trajectory to {gap:.1e}; with it loss {before:.3f} -> "
-            f"{after:.3f}, each piece's weights sum to {n // local}")
+    for outer, exact in (("diloco", True), (None, False)):  # (Local SGD: 'sgd:1', rounded)
+        _, _, sync = trained(True, outer)
+        _, _, overlapped = trained(True, outer, overlap=True, max_delay=tau)
+        landed = [k for k in range(4 * H) if (k + 1) % H >= tau]  # (else: a round is out)
+        gap = max((sync[k] - overlapped[k]).abs().max().item() for k in landed)
+        assert gap == 0 if exact else gap < 1e-6, (outer, gap)
+        model, opt, _ = trained(False, outer, overlap=True, max_delay=tau)
+        engine = opt._sgp_session().engine
+        assert engine.outer.delay == (tau if engine.mixers else 0), engine.outer.delay
+        assert engine.outer.pending == bool(engine.mixers)  # the last sync's round is out
+        engine.drain()  # lands it
+        assert not engine.outer.pending
+        local = engine.local.Get_size()
+        weights = [float(m.buffer[-1]) for m in engine.mixers]
+        totals = (np.sum(hvd.allgather_object(np.array(weights) / local), axis=0)
+                  if weights else [])
+        assert all(abs(t - n / local) < 1e-9 for t in totals), totals
+        after = loss_of(model)
+        assert after < 0.5 * before, (outer, before, after)
+        lines.append(f"{outer or 'Local SGD'}: no progress meanwhile: the synchronous "
+                     f"trajectory to {gap:.1e}; with it loss {before:.3f} -> {after:.3f}")
+    return (f"overlap tau={tau}: the outer step lands {tau} steps after its round, each "
+            f"piece's weights sum to {n // local}; " + "; ".join(lines))
 
 
 def nesterov(params) -> torch.optim.Optimizer:

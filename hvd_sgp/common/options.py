@@ -101,7 +101,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("push_sum", bool, True, "de-bias by the PushSum weight (off: the ablation)"),
     Option("mode", str, "sgp", "exchange after each local step", choices=MODES),
     Option("overlap", bool, False, "overlap gossip with computation (Overlap SGP)"),
-    Option("max_delay", int, 1, "iterations a message may lag with overlap (tau)", minimum=1),
+    Option("max_delay", int, 1, "iterations a message may lag with overlap (tau); with "
+           "local_steps > 1, steps an outer step lands after its round", minimum=1),
     Option("schedule", str, None, "exchange schedule, e.g. '0:allreduce,30:sgp2,60:sgp1'"),
     Option("timeout", float, 300.0, "seconds to wait on a silent peer before failing",
            minimum=1e-3, agree="none"),

@@ -24,7 +24,8 @@ every H steps. Over gossip every fragment is a PushSum buffer of its own, with i
 (copied in from the model before its round and back after it), so each fragment's mass is
 conserved exactly, as the whole buffer's is; each fragment has its own outer-step state.
 
-With Overlap SGP (``overlap=True`` over gossip) a fragment's round runs beside computation:
+With Overlap SGP (``overlap=True`` over gossip; plain Local SGD too, as the identity outer
+step) a fragment's round runs beside computation:
 it starts at the fragment's step (a copy of the fragment, pushed without blocking) and its
 outer step lands ``delay = min(max_delay, H - 1)`` steps later, after the local steps taken
 meanwhile. Those are kept: the fragment becomes x0' + (x_now - x_sent), the outer step's new
@@ -102,9 +103,14 @@ class OuterLoop:
 
     def defer(self, overlapped: bool, max_delay: int) -> None:
         """For the stage's mixers about to be built: an overlapped gossip stage delays each
-        outer step by min(max_delay, H - 1) steps (none where H = 1 or without an outer step)."""
-        delays = overlapped and self.step is not None and not self.gossips_between
+        outer step by min(max_delay, H - 1) steps (none where H = 1, or under SlowMo). Plain
+        Local SGD's sync becomes the identity outer step 'sgd:1' (the mix), so that it too
+        lands later, its progress kept."""
+        delays = overlapped and self.period > 1 and not self.gossips_between
         self.delay = min(max_delay, self.period - 1) if delays else 0
+        if self.delay and self.step is None:
+            self.step = parse("sgd:1")
+            self.steps = [self.step]
 
     @property
     def streamed(self) -> bool:
