@@ -52,7 +52,8 @@ from hvd_sgp.common.world import untrack
 TAG_REQUEST, TAG_RESPONSE = 1, 2
 SPIN_SECONDS = 1e-3  # a waiter polls back to back while something moved this recently
 DATA_SPIN_SECONDS = 0.02  # (this long while a data phase runs),
-MAX_PAUSE_SECONDS = 1e-3  # then sleeps, doubling up to this
+MAX_PAUSE_SECONDS = 1e-3  # then sleeps, doubling up to this, or in a long quiet wait up to
+LONG_PAUSE_SECONDS = 5e-3  # a twentieth of the quiet time, at most this (ends <= 5% late)
 
 
 @dataclass(frozen=True)
@@ -610,7 +611,8 @@ def wait_until(done: Callable[[], bool]) -> None:
     """Drive progress until ``done()``: poll back to back while something moved within
     SPIN_SECONDS -- DATA_SPIN_SECONDS while a data phase runs: every rank has agreed on it,
     so it ends soon, and MPI moves a large message only while polled -- then sleep with a
-    doubling pause. Polls yield the core when this host has more ranks than cores (the peer
+    doubling pause (past MAX_PAUSE_SECONDS only in a long quiet wait: a rank blocked for
+    seconds by a late peer leaves the core to others). Polls yield the core when this host has more ranks than cores (the peer
     may be waiting for it). The controllers' deadlines end every wait."""
     quiet_since, pause = time.monotonic(), 0.0
     while True:
@@ -626,7 +628,8 @@ def wait_until(done: Callable[[], bool]) -> None:
             if _crowded[0]:
                 os.sched_yield()
         else:
-            pause = min(max(pause * 2, 5e-5), MAX_PAUSE_SECONDS)
+            cap = min(max(MAX_PAUSE_SECONDS, (now - quiet_since) / 20), LONG_PAUSE_SECONDS)
+            pause = min(max(pause * 2, 5e-5), cap)
             time.sleep(pause)
 
 
