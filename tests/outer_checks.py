@@ -3,10 +3,10 @@
 outer_optimizer='diloco' with local_steps=8 over both averaging paths: exact AllReduce (every
 rank holds one model after each sync, and only then) and one PushSum round (bytes only at
 syncs, the weights still sum to n); both train. A torch optimizer factory computes what the
-numpy preset computes; 'sgd:1' is plain Local SGD; streaming fragments send 1/P of the model
-at the busiest step; under Overlap SGP the outer step lands tau steps after its round, on
-the synchronous trajectory when no progress is made meanwhile; the outer state resumes exactly from a checkpoint; bad input fails at
-construction naming the rank.
+numpy preset computes; 'sgd:1' is plain Local SGD; streaming fragments send 1/P of the model at
+the busiest step; under Overlap SGP the outer step lands tau steps after its round, on the
+synchronous trajectory when no progress is made meanwhile; the outer state resumes exactly from
+a checkpoint; bad input fails at construction naming the rank.
 """
 import copy
 

@@ -25,16 +25,16 @@ every H steps. Over gossip every fragment is a PushSum buffer of its own, with i
 conserved exactly, as the whole buffer's is; each fragment has its own outer-step state.
 
 With Overlap SGP (``overlap=True`` over gossip; plain Local SGD too, as the identity outer
-step) a fragment's round runs beside computation:
-it starts at the fragment's step (a copy of the fragment, pushed without blocking) and its
-outer step lands ``delay = min(max_delay, H - 1)`` steps later, after the local steps taken
-meanwhile. Those are kept: the fragment becomes x0' + (x_now - x_sent), the outer step's new
-anchor plus the local progress since the round began, and that progress counts in the next
-pseudo-gradient (Streaming DiLoCo's overlapped outer step, arXiv 2501.18512, section 2.3,
-with the local progress kept rather than mixed by alpha). Even one fragment then gossips a
-PushSum buffer of its own, so the model is free for the local steps. A drain, a stage switch,
-an exact average or a checkpoint's settled state lands a round early (with the progress so
-far); a restore or a repair drops it, as it drops the messages in flight.
+step) a fragment's round runs beside computation: it starts at the fragment's step (a copy of
+the fragment, pushed without blocking) and its outer step lands ``delay = min(max_delay, H -
+1)`` steps later, after the local steps taken meanwhile. Those are kept: the fragment becomes
+x0' + (x_now - x_sent), the outer step's new anchor plus the local progress since the round
+began, and that progress counts in the next pseudo-gradient (Streaming DiLoCo's overlapped
+outer step, arXiv 2501.18512, section 2.3, with the local progress kept rather than mixed by
+alpha). Even one fragment then gossips a PushSum buffer of its own, so the model is free for
+the local steps. A drain, a stage switch, an exact average or a checkpoint's settled state
+lands a round early (with the progress so far); a restore or a repair drops it, as it drops the
+messages in flight.
 
 The first sync only records x0, since ranks may not start from one model. x0 and the outer
 step's state (momentum) are part of the optimizer's checkpointed state; a repair (a lost

@@ -612,8 +612,9 @@ def wait_until(done: Callable[[], bool]) -> None:
     SPIN_SECONDS -- DATA_SPIN_SECONDS while a data phase runs: every rank has agreed on it,
     so it ends soon, and MPI moves a large message only while polled -- then sleep with a
     doubling pause (past MAX_PAUSE_SECONDS only in a long quiet wait: a rank blocked for
-    seconds by a late peer leaves the core to others). Polls yield the core when this host has more ranks than cores (the peer
-    may be waiting for it). The controllers' deadlines end every wait."""
+    seconds by a late peer leaves the core to others). Polls yield the core when this host
+    has more ranks than cores (the peer may be waiting for it). The controllers' deadlines
+    end every wait."""
     quiet_since, pause = time.monotonic(), 0.0
     while True:
         with _lock:
