@@ -1,11 +1,20 @@
 """A dead, frozen or diverged peer ends the whole job non-zero within the timeout plus a few
-seconds, with an error naming the peer; never a hang."""
+seconds, with an error naming the peer; never a hang. In one process: the repair's fold and
+mass ledger for any graph, codec, delay and set of lost nodes (the simulator's ``lose``, the
+core's abandon and exact average)."""
 import re
 import time
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from hvd_sgp.common.errors import SgpValueError
+from hvd_sgp.sim import SimNetwork
+from hvd_sgp.sim.faults import ThreadGroup, lose, run_members
 from mpi_launch import run_mpi
+from test_properties import graphs
 
 TIMEOUT = 4
 
@@ -58,3 +67,74 @@ def test_a_duplicate_cut_short_is_never_revoked():
     assert process_sets._dup(built, timeout=5) is built.comm
     assert any(comm is built.comm for comm in world._tracked)
     world.untrack(built.comm)
+
+
+CODECS = ["none", "int8", "int4", "topk:0.3", "randomk:0.3"]  # (fp16 rounds mass away)
+
+
+def folded(net: SimNetwork, survivors: list) -> np.ndarray:
+    """sum_i(w_i z_i) / sum_i(w_i) over the survivors as they stand (per entry where the
+    weights are)."""
+    w = net.weights()[survivors]
+    w = w if w.ndim == 2 else w[:, None]
+    return (w * net.params[survivors]).sum(axis=0) / w.sum(axis=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(graph=graphs(), delay=st.integers(0, 3), spec=st.sampled_from(CODECS),
+       steps=st.integers(0, 12), data=st.data(), seed=st.integers(0, 2**16))
+def test_a_repair_folds_the_survivors_into_their_exact_average_and_counts_nothing_twice(
+        graph, delay, spec, steps, data, seed):
+    """Nodes mix with local steps between (the numerators move), then some are lost at once
+    with messages in flight, to and from anyone; then again, among the survivors (two
+    failures in a row). Each time every survivor ends at the survivors' exact weighted average
+    as they stood, weight 1, nothing in flight; abandoning twice (a repair that starts over)
+    changes nothing; and mixing on among the survivors keeps their mass and average: no
+    message of before the loss is ever added."""
+    rng = np.random.default_rng(seed)
+    net = SimNetwork(graph, 4, delay=delay, seed=seed, codec=spec)
+    net.params[...] = 1 + rng.normal(size=net.params.shape)
+    for _ in range(steps):
+        net.params[...] -= 0.1 * rng.normal(size=net.params.shape)
+        net.step()
+    for _ in range(2):
+        if net.n < 2:
+            break
+        lost = data.draw(st.sets(st.integers(0, net.n - 1), min_size=1, max_size=net.n - 1))
+        survivors = [i for i in range(net.n) if i not in lost]
+        for mixer in net.mixers:
+            mixer.abandon()
+        expected = folded(net, survivors)
+        net = lose(net, lost, topology="exponential")
+        assert net.n == len(survivors)
+        scale = np.abs(expected).max()
+        assert np.abs(net.params - expected).max() <= 1e-12 * scale, (net.params, expected)
+        assert np.all(net.weights() == 1) and not np.any(net.in_flight()[1])
+        for _ in range(int(rng.integers(1, 8))):
+            net.step()
+            numerators, weight = net.mass()  # nodes plus in flight
+            assert np.abs(numerators - net.n * expected).max() <= 1e-9 * net.n * scale
+            assert np.abs(weight - net.n).max() <= 1e-9 * net.n
+        net.drain()
+        assert np.abs(net.average() - expected).max() <= 1e-9 * scale
+
+
+def test_lose_names_what_it_cannot_do():
+    net = SimNetwork("ring", 2, n=4)
+    with pytest.raises(SgpValueError, match="some, not all"):
+        lose(net, {0, 1, 2, 3})
+    with pytest.raises(SgpValueError, match="some, not all"):
+        lose(net, {4})
+
+
+def test_a_member_that_fails_fails_the_others_collective_instead_of_hanging():
+    started = time.monotonic()
+
+    def fails(comm):
+        raise RuntimeError(f"member {comm.Get_rank()} failed")
+
+    def sums(comm):
+        comm.allreduce(1.0)
+    with pytest.raises(RuntimeError, match="member 1 failed"):
+        run_members(ThreadGroup(3), [sums, fails, sums])
+    assert time.monotonic() - started < 5

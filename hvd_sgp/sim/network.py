@@ -185,6 +185,9 @@ class SimNetwork:
         topology = make_topology(topology, topology.n if n is None else n, peers)
         self.topology = topology
         self.n = topology.n
+        self.settings = dict(peers=peers, delay=delay, debias=debias, seed=seed, dtype=dtype,
+                             codec=codec, compressed=compressed, consensus_step=consensus_step,
+                             error_feedback=error_feedback)  # (faults.lose builds the survivors')
         self.dim = dim
         self.delay = delay
         self.buffers = np.zeros((self.n, dim + 1), dtype=dtype)  # row i: z_i, then w_i
