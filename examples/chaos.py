@@ -12,7 +12,9 @@ whole again and a few steps have passed.
 
 The run fails when no step completes for ``--hang-seconds`` (60), when the PushSum weights do
 not sum to the world's size at any entry of the training function or at the end (a message
-counted twice adds weight), or when sgprun's status is not 0. It prints, and writes to
+counted twice adds weight), when sgprun's status is not 0, or, with ``--baseline``, when the
+final accuracy is more than ``MAX_ACCURACY_LOSS`` (1 point) below the failure-free run's.
+It prints, and writes to
 ``OUT/summary.json``: the failures by kind, victim and moment, recovery time (a death to the
 first step completed after it) p50/p95 per kind, final accuracy, and goodput (useful steps x a
 failure-free step time / wall time); ``--baseline`` runs the same without failures first and
@@ -34,6 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 KINDS = ("kill", "exit", "stop")
 MOMENTS = ("step", "in-node", "gossip", "allreduce", "collective", "join", "commit")
 ORDER_SECONDS = 30.0
+MAX_ACCURACY_LOSS = 0.01  # below the failure-free run's final accuracy (issue 26)
 VICTIMS = ("any", "rank0", "local-master", "replacement", "mid-repair")
 
 
@@ -387,6 +390,10 @@ def main(argv: Optional[list] = None) -> dict:
         raise ChaosFailed(f"the mass ledger broke: {summary['ledger_bad']}")
     if summary["result"] is None:
         raise ChaosFailed("the training did not finish")
+    if baseline and summary["result"]["accuracy"] < baseline["accuracy"] - MAX_ACCURACY_LOSS:
+        raise ChaosFailed(f"final accuracy {summary['result']['accuracy']:.4f} is more than "
+                          f"{MAX_ACCURACY_LOSS:.0%} below the failure-free run's "
+                          f"{baseline['accuracy']:.4f}")
     return summary
 
 
