@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hvd_sgp.common.errors import SgpValueError
+from hvd_sgp.common.errors import PeerLostError, SgpValueError
 from hvd_sgp.sim import SimNetwork
 from hvd_sgp.sim.faults import ThreadGroup, lose, run_members
 from mpi_launch import run_mpi
@@ -117,6 +117,36 @@ def test_a_repair_folds_the_survivors_into_their_exact_average_and_counts_nothin
             assert np.abs(weight - net.n).max() <= 1e-9 * net.n
         net.drain()
         assert np.abs(net.average() - expected).max() <= 1e-9 * scale
+
+
+@settings(max_examples=40, deadline=None)
+@given(graph=graphs(), delay=st.integers(0, 3), spec=st.sampled_from(CODECS),
+       steps=st.integers(1, 12), data=st.data(), seed=st.integers(0, 2**16))
+def test_a_fold_cut_short_by_a_death_leaves_the_state_for_the_next_attempt(
+        graph, delay, spec, steps, data, seed):
+    """A survivor dies inside the fold's collectives (in the numerators' sum or the weights'):
+    the fold raises PeerLostError on every survivor and leaves every buffer as it stood, so the
+    repair's next attempt, with that survivor lost too, folds the others' state exactly. (It
+    once folded in place: a buffer already multiplied by its weight was folded again.)"""
+    rng = np.random.default_rng(seed)
+    net = SimNetwork(graph, 4, delay=delay, seed=seed, codec=spec)
+    net.params[...] = 1 + rng.normal(size=net.params.shape)
+    for _ in range(steps):
+        net.params[...] -= 0.1 * rng.normal(size=net.params.shape)
+        net.step()
+    lost = data.draw(st.sets(st.integers(0, net.n - 1), max_size=net.n - 2))
+    survivors = [i for i in range(net.n) if i not in lost]
+    victim = data.draw(st.sampled_from(survivors))
+    for mixer in net.mixers:
+        mixer.abandon()
+    stood = net.buffers.copy()
+    expected = folded(net, [i for i in survivors if i != victim])
+    with pytest.raises(PeerLostError):
+        lose(net, lost, dies=(victim, data.draw(st.integers(0, 1))))
+    assert np.array_equal(net.buffers, stood)
+    net = lose(net, lost | {victim}, topology="exponential")
+    assert np.abs(net.params - expected).max() <= 1e-12 * np.abs(expected).max()
+    assert np.all(net.weights() == 1)
 
 
 def test_lose_names_what_it_cannot_do():

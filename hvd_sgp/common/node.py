@@ -93,23 +93,31 @@ def exact_average(buffer, cross: MPI.Comm, local: Optional[MPI.Comm],
     or entry by entry by ``entry_weights`` (random-k gossip's per-run weights, on host
     buffers), then the node gathers the shards. Weights of a shard that no longer matches
     (a node lost a rank, and the shards were cut anew) are taken as 1.
+
+    The sums are taken in a copy, and the buffer is written only once every cross-node
+    collective has returned. A fold cut short by a lost rank then leaves the buffer as it was,
+    and the repair's next attempt folds the same state. Folded in place, the buffer of a fold
+    cut short was already multiplied by its weight (or half summed), and the retry folded
+    that: the likely cause of a chaos run's divergence (docs/faults.md).
     """
     part = NodeShard(buffer, local)
     shard = buffer[part.start:part.stop]
     if entry_weights is not None and len(entry_weights) == len(shard):
         weights = np.array(entry_weights, dtype=np.float64)
-        np.multiply(shard, weights, out=shard, casting="unsafe")
+        numerators = shard.copy()
+        np.multiply(numerators, weights, out=numerators, casting="unsafe")
         if cross.Get_size() > 1:
-            cross.Allreduce(MPI.IN_PLACE, shard, op=MPI.SUM)
+            cross.Allreduce(MPI.IN_PLACE, numerators, op=MPI.SUM)
             cross.Allreduce(MPI.IN_PLACE, weights, op=MPI.SUM)
-        np.divide(shard, weights, out=shard, casting="unsafe")
+        np.divide(numerators, weights, out=numerators, casting="unsafe")
     else:
         weight = float(buffer[-1])
-        shard *= weight
+        numerators = shard * weight
         if cross.Get_size() > 1:
-            part.kit.ready(buffer)
-            cross.Allreduce(MPI.IN_PLACE, shard, op=MPI.SUM)
-        shard /= cross.allreduce(weight)
+            part.kit.ready(numerators)
+            cross.Allreduce(MPI.IN_PLACE, numerators, op=MPI.SUM)
+        numerators /= cross.allreduce(weight)
+    shard[...] = numerators
     buffer[-1] = 1
     part.gather()
 

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Optional, Union
 
 import numpy as np
 
-from hvd_sgp.common.errors import SgpValueError
+from hvd_sgp.common.errors import PeerLostError, SgpValueError
 from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.node import exact_average
 from hvd_sgp.common.topology import Topology
@@ -27,10 +27,14 @@ DEADLINE_SECONDS = 60.0  # a member that never reaches a collective fails it, ne
 
 class ThreadGroup:
     """``size`` members, one thread each, that meet in sum collectives: every member gets the
-    same sum, taken in rank order."""
+    same sum, taken in rank order. ``dies`` = (member, k) makes that member die at its k-th
+    collective (counted from 0): it raises PeerLostError there, and so does every other
+    member's collective then in progress, as ULFM reports a lost peer."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, dies: Optional[tuple[int, int]] = None):
         self.size = size
+        self.dies = dies
+        self._calls = [0] * size
         self._barrier = threading.Barrier(size, timeout=DEADLINE_SECONDS)
         self._slots: list[Any] = [None] * size
 
@@ -38,10 +42,17 @@ class ThreadGroup:
         return ThreadComm(self, rank)
 
     def total(self, rank: int, value: Any) -> Any:
-        self._slots[rank] = value
-        self._barrier.wait()
-        result = reduce(lambda a, b: a + b, self._slots)
-        self._barrier.wait()  # everyone has read the slots before any is written again
+        if self.dies == (rank, self._calls[rank]):
+            self.abort()
+            raise PeerLostError(f"member {rank} died in its collective {self._calls[rank]}")
+        self._calls[rank] += 1
+        try:
+            self._slots[rank] = value
+            self._barrier.wait()
+            result = reduce(lambda a, b: a + b, self._slots)
+            self._barrier.wait()  # everyone has read the slots before any is written again
+        except threading.BrokenBarrierError:
+            raise PeerLostError(f"member {rank}: a peer was lost in a collective") from None
         return result
 
     def abort(self) -> None:
@@ -96,12 +107,15 @@ def run_members(group: ThreadGroup, work: list) -> None:
 
 
 def lose(net: SimNetwork, lost: Iterable[int],
-         topology: Optional[Union[str, Topology]] = None) -> SimNetwork:
+         topology: Optional[Union[str, Topology]] = None,
+         dies: Optional[tuple[int, int]] = None) -> SimNetwork:
     """The network of the survivors of ``lost`` nodes, after the repair's fold: every survivor
     holds sum_i(w_i z_i) / sum_i(w_i) over the survivors as they stood (entry by entry where
     the mixers keep weights per entry) with weight 1, and nothing is in flight. It mixes over
     ``topology`` (default: the network's own family for the new size) with the same settings.
-    ``net`` is spent: its mixers have abandoned their iterations."""
+    ``net`` is spent: its mixers have abandoned their iterations. ``dies`` = (node, k): that
+    survivor dies at the fold's k-th collective, which raises PeerLostError (the repair then
+    starts over: ``lose`` again, with it lost too)."""
     lost = set(lost)
     survivors = [i for i in range(net.n) if i not in lost]
     if not survivors or not lost <= set(range(net.n)):
@@ -111,7 +125,8 @@ def lose(net: SimNetwork, lost: Iterable[int],
     net.mailbox.messages.clear()  # (the old transport's messages go with it)
     entry_weights = [net.mixers[i].entry_weights() for i in survivors]
     buffers = [net.buffers[i] for i in survivors]
-    run_members(ThreadGroup(len(survivors)),
+    victim = None if dies is None else (survivors.index(dies[0]), dies[1])
+    run_members(ThreadGroup(len(survivors), victim),
                 [lambda comm, r=r: exact_average(buffers[r], comm, None, entry_weights[r])
                  for r in range(len(survivors))])
     after = SimNetwork(net.topology.name if topology is None else topology, net.dim,
