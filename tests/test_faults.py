@@ -80,6 +80,18 @@ def folded(net: SimNetwork, survivors: list) -> np.ndarray:
     return (w * net.params[survivors]).sum(axis=0) / w.sum(axis=0)
 
 
+def mixed(graph, delay: int, spec: str, steps: int, seed: int):
+    """A network that mixed ``steps`` times from spread-out parameters, with local steps
+    between (the numerators move); and the random generator that moved them."""
+    rng = np.random.default_rng(seed)
+    net = SimNetwork(graph, 4, delay=delay, seed=seed, codec=spec)
+    net.params[...] = 1 + rng.normal(size=net.params.shape)
+    for _ in range(steps):
+        net.params[...] -= 0.1 * rng.normal(size=net.params.shape)
+        net.step()
+    return net, rng
+
+
 @settings(max_examples=60, deadline=None)
 @given(graph=graphs(), delay=st.integers(0, 3), spec=st.sampled_from(CODECS),
        steps=st.integers(0, 12), data=st.data(), seed=st.integers(0, 2**16))
@@ -91,12 +103,7 @@ def test_a_repair_folds_the_survivors_into_their_exact_average_and_counts_nothin
     as they stood, weight 1, nothing in flight; abandoning twice (a repair that starts over)
     changes nothing; and mixing on among the survivors keeps their mass and average: no
     message of before the loss is ever added."""
-    rng = np.random.default_rng(seed)
-    net = SimNetwork(graph, 4, delay=delay, seed=seed, codec=spec)
-    net.params[...] = 1 + rng.normal(size=net.params.shape)
-    for _ in range(steps):
-        net.params[...] -= 0.1 * rng.normal(size=net.params.shape)
-        net.step()
+    net, rng = mixed(graph, delay, spec, steps, seed)
     for _ in range(2):
         if net.n < 2:
             break
@@ -128,12 +135,7 @@ def test_a_fold_cut_short_by_a_death_leaves_the_state_for_the_next_attempt(
     the fold raises PeerLostError on every survivor and leaves every buffer as it stood, so the
     repair's next attempt, with that survivor lost too, folds the others' state exactly. (It
     once folded in place: a buffer already multiplied by its weight was folded again.)"""
-    rng = np.random.default_rng(seed)
-    net = SimNetwork(graph, 4, delay=delay, seed=seed, codec=spec)
-    net.params[...] = 1 + rng.normal(size=net.params.shape)
-    for _ in range(steps):
-        net.params[...] -= 0.1 * rng.normal(size=net.params.shape)
-        net.step()
+    net, _ = mixed(graph, delay, spec, steps, seed)
     lost = data.draw(st.sets(st.integers(0, net.n - 1), max_size=net.n - 2))
     survivors = [i for i in range(net.n) if i not in lost]
     victim = data.draw(st.sampled_from(survivors))
