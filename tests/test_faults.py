@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hvd_sgp.common.errors import PeerLostError, SgpValueError
+from hvd_sgp.common.errors import PeerLostError, PeerTimeoutError, SgpValueError
 from hvd_sgp.sim import SimNetwork
 from hvd_sgp.sim.faults import ThreadGroup, lose, run_members
 from mpi_launch import run_mpi
@@ -157,6 +157,8 @@ def test_lose_names_what_it_cannot_do():
         lose(net, {0, 1, 2, 3})
     with pytest.raises(SgpValueError, match="some, not all"):
         lose(net, {4})
+    with pytest.raises(SgpValueError, match="node 1, which dies in the fold, is not a survivor"):
+        lose(net, {1}, dies=(1, 0))
 
 
 def test_a_member_that_fails_fails_the_others_collective_instead_of_hanging():
@@ -170,3 +172,10 @@ def test_a_member_that_fails_fails_the_others_collective_instead_of_hanging():
     with pytest.raises(RuntimeError, match="member 1 failed"):
         run_members(ThreadGroup(3), [sums, fails, sums])
     assert time.monotonic() - started < 5
+
+
+def test_a_member_that_never_finishes_is_named_after_the_deadline(monkeypatch):
+    from hvd_sgp.sim import faults  # (its deadline, shortened)
+    monkeypatch.setattr(faults, "DEADLINE_SECONDS", 0.2)
+    with pytest.raises(PeerTimeoutError, match=r"members \[1\] did not finish"):
+        run_members(ThreadGroup(2), [lambda comm: None, lambda comm: time.sleep(1.0)])

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Optional, Union
 
 import numpy as np
 
-from hvd_sgp.common.errors import PeerLostError, SgpValueError
+from hvd_sgp.common.errors import PeerLostError, PeerTimeoutError, SgpValueError
 from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.node import exact_average
 from hvd_sgp.common.topology import Topology
@@ -104,6 +104,9 @@ def run_members(group: ThreadGroup, work: list) -> None:
         thread.join(DEADLINE_SECONDS)
     if errors:
         raise errors[0]
+    late = [r for r, thread in enumerate(threads) if thread.is_alive()]
+    if late:
+        raise PeerTimeoutError(f"members {late} did not finish within {DEADLINE_SECONDS:.0f} s")
 
 
 def lose(net: SimNetwork, lost: Iterable[int],
@@ -120,6 +123,8 @@ def lose(net: SimNetwork, lost: Iterable[int],
     survivors = [i for i in range(net.n) if i not in lost]
     if not survivors or not lost <= set(range(net.n)):
         raise SgpValueError(f"lost nodes {sorted(lost)} must be some, not all, of {net.n}")
+    if dies is not None and dies[0] not in survivors:
+        raise SgpValueError(f"node {dies[0]}, which dies in the fold, is not a survivor")
     for mixer in net.mixers:
         mixer.abandon()
     net.mailbox.messages.clear()  # (the old transport's messages go with it)
