@@ -56,7 +56,7 @@ def test_reduced_chaos_run(tmp_path):
     """4 ranks in two-rank nodes, 8 failures at random (SIGKILL, os._exit, SIGSTOP; any
     rank, rank 0, a local master, the latest replacement, a survivor mid-repair; every
     moment), each lost rank replaced: no 60 s without a step, the weights sum to the world's
-    size at every entry and at the end, status 0, and digits still learnt."""
+    size after every step and at the end, status 0, and digits still learnt."""
     out = tmp_path / "chaos"
     cmd = [sys.executable, str(REPO / "examples" / "chaos.py"), "--np", "4", "--local-size",
            "2", "--failures", "8", "--epochs", "10", "--seed", "3", "--out", str(out)]
@@ -64,7 +64,7 @@ def test_reduced_chaos_run(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["failures"] >= 6, summary  # an order whose moment never came is withdrawn
-    assert summary["ledger_checks"] >= 2 and not summary["ledger_bad"]
+    assert summary["ledger_checks"] > summary["result"]["steps"] and not summary["ledger_bad"]
     assert summary["result"]["size"] == 4 and summary["result"]["accuracy"] > 0.85, summary
 
 
@@ -92,3 +92,28 @@ def test_sgprun_names_the_lost_ranks_when_mpirun_counts_none(tmp_path, capsys):
         fault_record.write("finished", rank, {fault_record.VARIABLE: str(quiet)})
     assert launch.fault_tolerant_status(0, str(quiet), 2) == 0
     assert capsys.readouterr().err == ""
+
+
+HEAD_FREEZER = """
+import os, signal
+from hvd_sgp.common import runtime
+runtime.init()
+if runtime.rank() == 0:
+    os.kill(os.getppid(), signal.SIGSTOP)  # the ranks' parent is the head (prterun)
+"""
+
+
+def test_a_frozen_head_does_not_hold_sgprun_forever(tmp_path):
+    """The head (mpirun) frozen while 2 ranks train: they finish, wait in MPI_Finalize for
+    its fence until their exit alarm ends them (detector 4 s + 10 s), and sgprun, seeing every
+    rank's record ended, kills the head 24 s later and says training completed (before, it
+    waited for the head for ever)."""
+    script = tmp_path / "freeze_head.py"
+    script.write_text(HEAD_FREEZER)
+    cmd = [sys.executable, "-m", "hvd_sgp.runner.launch", "-np", "2", "--fault-tolerant",
+           "--detector-timeout", "4", sys.executable, str(script)]
+    proc = run_bounded(cmd, 120, "sgprun with a frozen head", env=environment(),
+                       cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "has not exited 24 s later (frozen or hung): killed" in proc.stderr, proc.stderr
+    assert "training completed on 2 ranks (mpirun's status 137)" in proc.stderr, proc.stderr

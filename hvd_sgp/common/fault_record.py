@@ -50,6 +50,14 @@ class Verdict:
                 and self.started <= self.finished | self.lost | self.left)
 
 
+    def ended(self, ranks: int) -> bool:
+        """Every rank has ended by its records (finished, failed, lost or left), the ``ranks``
+        of the launch among them (their records are missing where ranks on other hosts write
+        to their own machine)."""
+        return (set(range(ranks)) <= self.started
+                and self.started <= self.finished | self.failed | self.lost | self.left)
+
+
 def verdict(directory: str) -> Verdict:
     """Read every rank's events from ``directory``."""
     result = Verdict()

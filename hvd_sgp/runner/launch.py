@@ -378,6 +378,12 @@ def _openmpi_options(args: argparse.Namespace, site: Site, job_env: Mapping[str,
     return options
 
 
+def detector_timeout(args: argparse.Namespace) -> float:
+    """ULFM's heartbeat timeout for the job (--detector-timeout, else the option's default)."""
+    return (args.detector_timeout if args.detector_timeout is not None
+            else BY_NAME["detector_timeout"].default)
+
+
 def fault_tolerant_options(args: argparse.Namespace) -> list[str]:
     """mpirun's ULFM: failures reported to the survivors instead of ending the job, and the
     heartbeat detector (period a quarter of its timeout, as ULFM requires < 1/3). The PRRTE
@@ -397,8 +403,7 @@ def fault_tolerant_options(args: argparse.Namespace) -> list[str]:
     ends the whole job at the second rank that exits non-zero, silently (Open MPI 5.0.11);
     ``error_non_zero_exit 0`` stops that (sgprun's status comes from the ranks' own records,
     fault_record.py)."""
-    timeout = (args.detector_timeout if args.detector_timeout is not None
-               else BY_NAME["detector_timeout"].default)
+    timeout = detector_timeout(args)
     given = shlex.split(args.mpi_args or "")
     chosen = args.tcp or any(flag in ("--mca", "-mca") and name == "btl"
                              for flag, name in zip(given, given[1:]))
@@ -486,9 +491,10 @@ def fault_tolerant_status(status: int, records: str, ranks: int) -> int:
         return 0
     # (mpirun's status is 0 when every lost rank was killed or exited non-zero: PRRTE is
     # told not to count non-zero exits, see fault_tolerant_options)
-    counted = f" (mpirun's status {status} counts them)" if status else ""
-    print(f"sgprun: training completed on {len(verdict.finished)} ranks; {happened}{counted}",
-          file=sys.stderr, flush=True)
+    counted = (f" (mpirun's status {status}{' counts them' if happened else ''})"
+               if status else "")
+    print(f"sgprun: training completed on {len(verdict.finished)} ranks"
+          f"{'; ' + happened if happened else ''}{counted}", file=sys.stderr, flush=True)
     return 0
 
 
@@ -505,8 +511,12 @@ def _what_happened(verdict: fault_record.Verdict) -> str:
     return "; ".join(parts)
 
 
-def run(command: Sequence[str], env: Mapping[str, str]) -> int:
-    """Run the launcher, pass on the signals that should stop the job, and return its status."""
+def run(command: Sequence[str], env: Mapping[str, str],
+        ended: Optional[Callable[[], bool]] = None, grace: float = 0.0) -> int:
+    """Run the launcher, pass on the signals that should stop the job, and return its status.
+    With ``ended`` (--fault-tolerant: every rank's record says it ended), the wait is bounded:
+    the head process (mpirun, which is PRRTE's prterun) then has ``grace`` seconds to exit,
+    and one that does not is killed (``_wait_for_head``)."""
     process = subprocess.Popen(list(command), env=dict(env))
 
     def forward(signum: int, _frame: object) -> None:
@@ -515,10 +525,34 @@ def run(command: Sequence[str], env: Mapping[str, str]) -> int:
     stopping = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     previous = {signum: signal.signal(signum, forward) for signum in stopping}
     try:
-        return exit_status(process.wait())
+        return exit_status(process.wait() if ended is None
+                           else _wait_for_head(process, ended, grace))
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _wait_for_head(process: subprocess.Popen, ended: Callable[[], bool], grace: float) -> int:
+    """Wait for the head, but not for one that outlives the ranks by ``grace`` seconds. A
+    frozen head (SIGSTOP, a hung node) never exits by itself: the ranks train on without it,
+    then wait in MPI_Finalize for its fence until their exit alarm ends them, and their
+    records are then all written; nothing is left for the head to do."""
+    since = None
+    while True:
+        try:
+            return process.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass
+        if not ended():
+            since = None
+            continue
+        since = time.monotonic() if since is None else since
+        if time.monotonic() - since >= grace:
+            print(f"sgprun: every rank has ended, but mpirun (pid {process.pid}) has not "
+                  f"exited {grace:.0f} s later (frozen or hung): killed; the ranks' records "
+                  "give the job's status", file=sys.stderr, flush=True)
+            process.kill()
+            return process.wait()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -551,7 +585,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             os.makedirs(os.path.dirname(os.path.abspath(args.output_filename)), exist_ok=True)
         if args.verbose:
             print(shlex.join(command), file=sys.stderr, flush=True)
-        status = run(command, job_env)
+        if args.fault_tolerant:
+            records = env[fault_record.VARIABLE]
+            # a rank's exit alarm gives MPI_Finalize the detector's timeout + 10 s
+            status = run(command, job_env, lambda: fault_record.verdict(records).ended(args.np),
+                         grace=detector_timeout(args) + 20)
+        else:
+            status = run(command, job_env)
         if args.fault_tolerant:
             status = fault_tolerant_status(status, env[fault_record.VARIABLE], args.np)
         return status
