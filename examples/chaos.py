@@ -11,8 +11,8 @@ later (it then finds itself excluded and leaves). The next failure comes once th
 whole again and a few steps have passed.
 
 The run fails when no step completes for ``--hang-seconds`` (60), when the PushSum weights do
-not sum to the world's size at any entry of the training function or at the end (a message
-counted twice adds weight), when sgprun's status is not 0, or, with ``--baseline``, when the
+not sum to the world's size after any step or at the end (a message counted twice adds
+weight), when sgprun's status is not 0, or, with ``--baseline``, when the
 final accuracy is more than ``MAX_ACCURACY_LOSS`` (1 point) below the failure-free run's.
 It prints, and writes to
 ``OUT/summary.json``: the failures by kind, victim and moment, recovery time (a death to the
@@ -287,9 +287,11 @@ def summarize(run_dir: str, chaos: Chaos, wall: float, step_seconds: Optional[fl
         after = [t for t, *_ in steps if t > when]
         if after:
             recovery.setdefault(kind, []).append(after[0] - when)
-    ledger = lines(run_dir, "ledger.log")
-    bad = [" ".join(entry) for entry in ledger
-           if abs(float(entry[-1]) - int(entry[entry.index("size") + 1])) > 1e-6]
+    ledger = [(f"step {s[1]}", int(s[2]), float(s[4])) for s in lines(run_dir, "steps.log")]
+    ledger += [(" ".join(e[1:e.index("size")]), int(e[e.index("size") + 1]), float(e[-1]))
+               for e in lines(run_dir, "ledger.log")]
+    bad = [f"{where}: {size} ranks hold mass {mass!r}" for where, size, mass in ledger
+           if abs(mass - size) > 1e-6 * size]
     results = [json.loads(" ".join(r)) for r in lines(run_dir, "result.log")]
     summary = {
         "failures": len(deaths),

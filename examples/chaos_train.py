@@ -10,9 +10,9 @@ anything) or ``stop`` (SIGSTOP: frozen; the driver resumes it later). The moment
 the end of a step), ``allreduce`` (the same point in an AllReduce stage of the schedule),
 ``collective`` (the Horovod allreduce of the loss), ``join`` (hvd.join() at an epoch's end),
 ``commit`` (inside state.commit()). Each rank keeps ``DIR/ranks/ORIGIN`` (pid, rank, local
-rank, size, time) current for the driver, the rank 0 of the moment appends every completed
-step to ``DIR/steps.log``, and every entry of the training function and the end check the
-PushSum mass (the weights sum to the world's size: a message counted twice would add weight)
+rank, size, time) current for the driver, and the rank 0 of the moment appends every completed
+step to ``DIR/steps.log`` with the PushSum mass after it (the weights sum to the world's
+size: a message counted twice would add weight); the end of the run checks it once more
 into ``DIR/ledger.log``.
 """
 import argparse
@@ -128,6 +128,16 @@ def check_mass(where: str) -> None:
         append("ledger.log", f"{time.time():.3f} {where} size {hvd.size()} weights {total!r}")
 
 
+def step_figures(loss: torch.Tensor) -> tuple:
+    """The mean loss and the PushSum mass (the weights' sum) after a step, in one allreduce.
+    Between steps no message is in flight, so the mass is the world's size exactly: a message
+    counted twice, or a lost rank's share kept, shows in the step it happens."""
+    weight = float(optimizer.metrics()["weight"])
+    total = hvd.allreduce(torch.tensor([float(loss), weight], dtype=torch.float64), op=hvd.Sum,
+                          name="chaos.loss")
+    return float(total[0]) / hvd.size(), float(total[1])
+
+
 def evaluate() -> float:
     with torch.no_grad():
         accuracy = (model(x_test).argmax(1) == y_test).float().mean()
@@ -136,7 +146,6 @@ def evaluate() -> float:
 
 @hvd.elastic.run
 def train(state):
-    check_mass(f"entry at step {state.step}")
     for state.epoch in range(state.epoch, args.epochs):
         for batch, (data, target) in enumerate(loader):
             report()
@@ -146,10 +155,11 @@ def train(state):
             loss.backward()
             optimizer.step()
             hook("collective")
-            mean = float(hvd.allreduce(loss.detach(), name="chaos.loss"))
+            mean, mass = step_figures(loss)
             state.step += 1
             if hvd.rank() == 0:
-                append("steps.log", f"{time.time():.3f} {state.step} {hvd.size()} {mean:.5f}")
+                append("steps.log", f"{time.time():.3f} {state.step} {hvd.size()} {mean:.5f} "
+                                    f"{mass!r}")
             sampler.record_batch(batch, args.batch_size)
             state.commit()
         hook("join")
