@@ -16,7 +16,8 @@ weight), when sgprun's status is not 0, or, with ``--baseline``, when the
 final accuracy is more than ``MAX_ACCURACY_LOSS`` (1 point) below the failure-free run's.
 It prints, and writes to
 ``OUT/summary.json``: the failures by kind, victim and moment, recovery time (a death to the
-first step completed after it) p50/p95 per kind, final accuracy, and goodput (useful steps x a
+first step completed after it) p50/p95 per kind, the repairs as rank 0 reported them (time,
+and the unusual ones), final accuracy, and goodput (useful steps x a
 failure-free step time / wall time); ``--baseline`` runs the same without failures first and
 compares the accuracies. ``--plot`` draws world size and loss over time (matplotlib).
 """
@@ -26,6 +27,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -303,11 +305,40 @@ def summarize(run_dir: str, chaos: Chaos, wall: float, step_seconds: Optional[fl
                                  "p95": percentile(v, 95), "max": max(v)}
                              for k, v in sorted(recovery.items())},
         "wall_seconds": wall, "ledger_checks": len(ledger), "ledger_bad": bad,
+        "repairs": repairs(run_dir),
         "result": results[-1] if results else None,
     }
     if step_seconds and results:
         summary["goodput"] = results[-1]["steps"] * step_seconds / wall
     return summary
+
+
+REPAIR = re.compile(r"hvd_sgp: lost rank\(s\) \[([0-9, ]*)\]; .*?(?:(\d+) replacement\(s\) "
+                    r"joined.*)?after a repair of ([0-9.]+) s")
+
+
+def repairs(run_dir: str) -> dict:
+    """What rank 0 said of each repair in sgprun's output: how many, how long (all of them,
+    and those that replaced one lost rank), and the unusual ones: a repair that found nobody
+    lost, one that started over (a death inside it), a spawning rank that left (a death cut
+    its MPI_Comm_spawn short) and a stopped peer killed by the sentinel (stopped.py)."""
+    try:
+        with open(os.path.join(run_dir, "sgprun.out"), errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return {}
+    found = [(len([r for r in lost.split(",") if r.strip()]), int(joined or 0), float(t))
+             for lost, joined, t in REPAIR.findall(text)]
+    single = [t for lost, joined, t in found if lost == 1 and joined == 1]
+    every = [t for _, _, t in found]
+    return {"count": len(found),
+            "seconds": {"p50": percentile(every, 50), "p95": percentile(every, 95)},
+            "one_lost_one_joined_seconds": {"n": len(single), "p50": percentile(single, 50),
+                                            "p95": percentile(single, 95)},
+            "nobody_lost": sum(1 for lost, _, _ in found if lost == 0),
+            "started_over": text.count("the repair starts over"),
+            "spawning_rank_left": text.count("MPI_Comm_spawn does not return after that"),
+            "stopped_peers_killed": text.count("was stopped for")}
 
 
 def count(items) -> dict:
