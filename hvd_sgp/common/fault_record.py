@@ -49,12 +49,15 @@ class Verdict:
         return (bool(self.finished) and not (self.failed - self.lost)
                 and self.started <= self.finished | self.lost | self.left)
 
+    def covers(self, ranks: int) -> bool:
+        """The records hold the launch's ``ranks`` (they are missing where ranks on other
+        hosts write to their own machine, with no shared /tmp)."""
+        return set(range(ranks)) <= self.started
 
     def ended(self, ranks: int) -> bool:
-        """Every rank has ended by its records (finished, failed, lost or left), the ``ranks``
-        of the launch among them (their records are missing where ranks on other hosts write
-        to their own machine)."""
-        return (set(range(ranks)) <= self.started
+        """Every rank has ended by its records (finished, failed, lost or left), the launch's
+        ``ranks`` among them."""
+        return (self.covers(ranks)
                 and self.started <= self.finished | self.failed | self.lost | self.left)
 
 

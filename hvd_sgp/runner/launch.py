@@ -482,8 +482,8 @@ def fault_tolerant_status(status: int, records: str, ranks: int) -> int:
     when it exited non-zero, and not a rank that was killed or that left by SIGKILL after an
     error, so the ranks' own records decide (fault_record.py)."""
     verdict = fault_record.verdict(records)
-    if not set(range(ranks)) <= verdict.started:  # records of other hosts missing (no shared
-        return status  # /tmp); replacements (--max-np) add records of their own
+    if not verdict.covers(ranks):  # replacements (--max-np) add records of their own
+        return status
     if not verdict.completed:
         return status or 1
     happened = _what_happened(verdict)
@@ -585,16 +585,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             os.makedirs(os.path.dirname(os.path.abspath(args.output_filename)), exist_ok=True)
         if args.verbose:
             print(shlex.join(command), file=sys.stderr, flush=True)
-        if args.fault_tolerant:
-            records = env[fault_record.VARIABLE]
-            # a rank's exit alarm gives MPI_Finalize the detector's timeout + 10 s
-            status = run(command, job_env, lambda: fault_record.verdict(records).ended(args.np),
-                         grace=detector_timeout(args) + 20)
-        else:
-            status = run(command, job_env)
-        if args.fault_tolerant:
-            status = fault_tolerant_status(status, env[fault_record.VARIABLE], args.np)
-        return status
+        if not args.fault_tolerant:
+            return run(command, job_env)
+        records = env[fault_record.VARIABLE]
+        # a rank's exit alarm gives MPI_Finalize the detector's timeout + 10 s
+        status = run(command, job_env, lambda: fault_record.verdict(records).ended(args.np),
+                     grace=detector_timeout(args) + 20)
+        return fault_tolerant_status(status, records, args.np)
 
 
 if __name__ == "__main__":
