@@ -375,6 +375,46 @@ def check_state_broadcasts():
        "initializes a fresh optimizer's state, model= accepted")
 
 
+def check_large_broadcasts():
+    """From CHAIN_MIN_BYTES on 3 ranks or more a broadcast goes down a chain of segments
+    (collectives._chain): from every root, mixed dtypes fused into several buffers whose sizes
+    are not multiples of a segment, just under and at the threshold, and a large object, every
+    rank gets root's bytes exactly; so does Adam's state in broadcast_optimizer_state."""
+    from hvd_sgp.common.horovod_api import collectives
+    floats = collectives.CHAIN_MIN_BYTES // 4
+    for root in range(n):
+        g = torch.Generator().manual_seed(100 * me + root)
+        mine = {"a": torch.randn(floats + 12345, generator=g),
+                "b": torch.randn(700_001, generator=g).half(),
+                "c": torch.randint(0, 2**40, (3,), generator=g),
+                "d": torch.rand(1001, generator=g) > 0.5,
+                "under": torch.randn(floats - 1, generator=g),
+                "at": torch.randn(floats, generator=g)}
+        expected = hvd.allgather_object({k: v.clone() for k, v in mine.items()})[root]
+        hvd.broadcast_parameters({k: mine[k] for k in "abcd"}, root_rank=root)
+        for k in ("under", "at"):
+            mine[k] = hvd.broadcast(mine[k], root_rank=root)
+        for k, v in mine.items():
+            assert v.dtype == expected[k].dtype and torch.equal(v, expected[k]), (root, k)
+        big = hvd.broadcast_object(bytes(range(256)) * 40_000 if me == root else None, root)
+        assert big == bytes(range(256)) * 40_000
+    layer = torch.nn.Linear(1100, 1000)  # Adam's two moments of 4.4 MB each, and its steps
+    adam = torch.optim.Adam(layer.parameters(), lr=0.01)
+    for _ in range(me + 1):  # a different state on every rank
+        adam.zero_grad()
+        layer(torch.randn(4, 1100)).pow(2).sum().backward()
+        adam.step()
+    expected = hvd.allgather_object(adam.state_dict())[n - 1]
+    hvd.broadcast_optimizer_state(adam, root_rank=n - 1)
+    got = adam.state_dict()
+    assert got["param_groups"] == expected["param_groups"]
+    for i, slots in expected["state"].items():
+        for k, v in slots.items():
+            assert torch.equal(got["state"][i][k], v), (i, k)
+    ok(f"broadcasts of {collectives.CHAIN_MIN_BYTES >> 20} MiB and more from every root "
+       f"({'a chain of segments' if n >= 3 else 'Ibcast'}) equal root's bytes")
+
+
 def check_timeline():
     path = hvd.broadcast_object(os.path.join(tempfile.mkdtemp(), "timeline.json"), 0)
     hvd.start_timeline(path, mark_cycles=True)
@@ -475,7 +515,8 @@ def check_timeouts():
 main = [check_api_names, check_mismatches_raise_on_every_rank, check_duplicate_names,
         check_process_sets, check_join, check_join_participants, check_values_and_scaling,
         check_gradients, check_custom_compressor, check_sync_batch_norm, check_state_broadcasts,
-        check_timeline, check_negotiation_cost, check_shutdown_and_init_again]
+        check_large_broadcasts, check_timeline, check_negotiation_cost,
+        check_shutdown_and_init_again]
 extra = [check_blocked_rank_cpu, check_timeouts]
 for check in main + extra:
     if (not only and check in main) or check.__name__ in only:

@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 import torch
 
+from hvd_sgp.common import place
 from hvd_sgp.common.errors import SgpValueError
 from hvd_sgp.common.horovod_api import collectives
 from hvd_sgp.torch import optimizer as sgp_optimizer
@@ -52,8 +53,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
         raise SgpValueError("broadcast_optimizer_state does not support SparseAdam")
     if not optimizer.state_dict()["state"]:
         _initialize_state(optimizer)
-    state = broadcast_object(_to_cpu(optimizer.state_dict()), root_rank,
-                             process_set=process_set)
+    state = _broadcast_state_dict(optimizer.state_dict(), root_rank, process_set)
     root_sgp = state.pop("hvd_sgp", None)
     optimizer.load_state_dict(state)  # without "hvd_sgp": per-rank SGP state untouched here
     session = getattr(optimizer, "_sgp_session", None)
@@ -78,13 +78,51 @@ def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
 
 
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
+def _broadcast_state_dict(state: dict, root_rank: int, process_set) -> dict:
+    """Root's state_dict on every rank: its structure and small values pickled, its dense
+    tensors (momentum, Adam's moments: the model's size or more) in one tensor broadcast, which
+    moves them at the link's rate without torch.save and its copies on every rank."""
+    tensors: list[torch.Tensor] = []
+    skeleton = _take_tensors(state, tensors) if place.rank() == root_rank else None
+    skeleton, specs = broadcast_object(
+        None if skeleton is None else (skeleton, [(t.shape, t.dtype) for t in tensors]),
+        root_rank, process_set=process_set)
+    if place.rank() != root_rank:
+        tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
+    if tensors:
+        synchronize(_broadcast_handle(tensors, root_rank, None, process_set, True))
+    return _put_tensors(skeleton, tensors)
+
+
+class _Moved(int):
+    """Where a dense tensor stood in a state_dict (its index in the tensor broadcast)."""
+
+
+_MOVED_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
+                 torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool}
+
+
+def _take_tensors(obj: Any, taken: list) -> Any:
+    if isinstance(obj, torch.Tensor) and obj.layout == torch.strided and (
+            obj.dtype in _MOVED_DTYPES):
+        taken.append(obj.detach().cpu().contiguous())
+        return _Moved(len(taken) - 1)
+    if isinstance(obj, torch.Tensor):  # (sparse, complex, ...: pickled as they are)
         return obj.detach().cpu()
     if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
+        return {k: _take_tensors(v, taken) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
+        return type(obj)(_take_tensors(v, taken) for v in obj)
+    return obj
+
+
+def _put_tensors(obj: Any, tensors: list) -> Any:
+    if isinstance(obj, _Moved):
+        return tensors[obj]
+    if isinstance(obj, dict):
+        return {k: _put_tensors(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_put_tensors(v, tensors) for v in obj)
     return obj
 
 

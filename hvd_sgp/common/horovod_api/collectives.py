@@ -5,13 +5,15 @@ every MPI call of these collectives happens here.
 Data phases (non-blocking, one step unless noted):
   allreduce      arrays fused per dtype, one Iallreduce per dtype
   allgather      one Iallgatherv per array, every rank's first dimension from the negotiation
-  broadcast      fused per dtype, one Ibcast per dtype
+  broadcast      fused per dtype, one Ibcast per dtype; from CHAIN_MIN_BYTES on 3 ranks or
+                 more, a pipelined chain of point-to-point segments (many steps)
   alltoall       Ialltoall of the split counts, then one Ialltoallv (two steps)
   reducescatter  one Ireduce_scatter per array; earlier ranks take the remainder rows
   barrier        Ibarrier
-Data always moves in an MPI collective, so the ranks leave a collective about together
-(scripts line ranks up with a small allreduce, as with Horovod; a result computed by the
-coordinator and sent back would release it a message earlier than the others).
+Data moves in an MPI collective (a large broadcast in a chain of sends), so the ranks leave
+a collective about together (scripts line ranks up with a small allreduce, as with Horovod;
+a result computed by the coordinator and sent back would release it a message earlier than
+the others).
 Scaling follows Horovod: integers are scaled in float64 and truncated, 16-bit floats in
 float32 (and reduced in float32: MPI has no half type); Average divides by the set size. A
 joined rank takes part in allreduce, reducescatter and barrier with the reduction's identity
@@ -21,15 +23,15 @@ from __future__ import annotations
 
 import enum
 import pickle
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
 from hvd_sgp.common import place
 from hvd_sgp.common.errors import HorovodInternalError, SgpValueError
 from hvd_sgp.common.horovod_api import negotiation, process_sets
-from hvd_sgp.common.horovod_api.negotiation import (Controller, Handle, Kind, Operation,
-                                                    Request, TensorSpec)
+from hvd_sgp.common.horovod_api.negotiation import (TAG_CHAIN, Controller, Handle, Kind,
+                                                    Operation, Request, TensorSpec)
 from hvd_sgp.common.horovod_api.process_sets import ProcessSet, global_process_set
 from hvd_sgp.common.mpi import MPI
 
@@ -276,8 +278,41 @@ class _Broadcast(Kind):
     def phase(self, op, ctl):
         root = ctl.ranks.index(op.request.root)
         fused = _Fused(op.arrays, fill=ctl.rank == root)
-        yield [ctl.comm.Ibcast(_raw(b), root=root) for b in fused.buffers], False
+        if ctl.size >= 3 and sum(b.nbytes for b in fused.buffers) >= CHAIN_MIN_BYTES:
+            yield from _chain(fused.buffers, root, ctl)
+        else:
+            yield [ctl.comm.Ibcast(_raw(b), root=root) for b in fused.buffers], False
         return fused.parts()
+
+
+CHAIN_MIN_BYTES = 4 << 20  # a broadcast this large, on 3 ranks or more, goes down a chain
+CHAIN_SEGMENT_BYTES = 1 << 20
+
+
+def _chain(buffers: list[np.ndarray], root: int, ctl: Controller) -> Iterator[tuple[list, bool]]:
+    """Root's bytes down the ranks in order from root, in segments: in round t the rank at
+    position p (> 0) receives segment t - p + 1 from its predecessor while it passes segment
+    t - p, got in the round before, to its successor. Every link carries the payload once and
+    all links move at once, so it arrives at about the link's rate whatever the set's size, in
+    (segments + n - 2) rounds. Why not Ibcast: on 8 hosts with 1 Gbit/s links Open MPI 5's
+    broadcast of 200 MB (a replacement's model and momentum in hvd.elastic's sync) took 12 s,
+    7 times one link's 1.7 s (docs/faults.md)."""
+    n, rank = ctl.size, ctl.rank
+    position = (rank - root) % n
+    segments = [view[start:start + CHAIN_SEGMENT_BYTES]
+                for view in (_raw(b).reshape(-1).view(np.uint8) for b in buffers)
+                for start in range(0, view.size, CHAIN_SEGMENT_BYTES)]
+    first = max(position - 1, 0)
+    last = len(segments) - 1 + position - (position == n - 1)
+    for t in range(first, last + 1):
+        requests = []
+        if position > 0 and 0 <= t - position + 1 < len(segments):
+            requests.append(ctl.comm.Irecv([segments[t - position + 1], MPI.BYTE],
+                                           (rank - 1) % n, TAG_CHAIN))
+        if position < n - 1 and 0 <= t - position < len(segments):
+            requests.append(ctl.comm.Isend([segments[t - position], MPI.BYTE], (rank + 1) % n,
+                                           TAG_CHAIN))
+        yield requests, t < last
 
 
 class _Alltoall(Kind):

@@ -49,7 +49,7 @@ from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.waiting import Wait
 from hvd_sgp.common.world import untrack
 
-TAG_REQUEST, TAG_RESPONSE = 1, 2
+TAG_REQUEST, TAG_RESPONSE, TAG_CHAIN = 1, 2, 3  # (TAG_CHAIN: a broadcast's segments)
 SPIN_SECONDS = 1e-3  # a waiter polls back to back while something moved this recently
 DATA_SPIN_SECONDS = 0.02  # (this long while a data phase runs),
 MAX_PAUSE_SECONDS = 1e-3  # then sleeps, doubling up to this, or in a long quiet wait up to
