@@ -289,6 +289,12 @@ def summarize(run_dir: str, chaos: Chaos, wall: float, step_seconds: Optional[fl
         after = [t for t, *_ in steps if t > when]
         if after:
             recovery.setdefault(kind, []).append(after[0] - when)
+    redone = []  # committed steps taken again after a death (a commit per step: at most 1)
+    for when, *_ in deaths:
+        before = [step for t, step, *_ in steps if t < when]
+        after = [step for t, step, *_ in steps if t > when]
+        if before and after:
+            redone.append(max(0, before[-1] - after[0] + 1))
     ledger = [(f"step {s[1]}", int(s[2]), float(s[4])) for s in lines(run_dir, "steps.log")]
     ledger += [(" ".join(e[1:e.index("size")]), int(e[e.index("size") + 1]), float(e[-1]))
                for e in lines(run_dir, "ledger.log")]
@@ -304,6 +310,8 @@ def summarize(run_dir: str, chaos: Chaos, wall: float, step_seconds: Optional[fl
         "recovery_seconds": {k: {"n": len(v), "p50": percentile(v, 50),
                                  "p95": percentile(v, 95), "max": max(v)}
                              for k, v in sorted(recovery.items())},
+        "steps_redone": {"deaths": len(redone), "max": max(redone, default=0),
+                         "total": sum(redone)},
         "wall_seconds": wall, "ledger_checks": len(ledger), "ledger_bad": bad,
         "repairs": repairs(run_dir),
         "result": results[-1] if results else None,

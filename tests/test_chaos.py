@@ -65,6 +65,8 @@ def test_reduced_chaos_run(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["failures"] >= 6, summary  # an order whose moment never came is withdrawn
     assert summary["ledger_checks"] > summary["result"]["steps"] and not summary["ledger_bad"]
+    redone = summary["steps_redone"]  # a commit per step: a death costs at most the step
+    assert redone["deaths"] >= 4 and redone["max"] <= 1, redone
     assert summary["result"]["size"] == 4 and summary["result"]["accuracy"] > 0.85, summary
 
 
