@@ -285,16 +285,14 @@ def summarize(run_dir: str, chaos: Chaos, wall: float, step_seconds: Optional[fl
     deaths = [(float(d[0]), int(d[1]), d[2], d[3]) for d in lines(run_dir, "deaths.log")]
     deaths += [(t, o, k, m) for t, o, k, v, m, _ in chaos.planned if m == "repair"]
     recovery: dict = {}
-    for when, _, kind, _ in deaths:
-        after = [t for t, *_ in steps if t > when]
-        if after:
-            recovery.setdefault(kind, []).append(after[0] - when)
     redone = []  # committed steps taken again after a death (a commit per step: at most 1)
-    for when, *_ in deaths:
+    for when, _, kind, _ in deaths:
         before = [step for t, step, *_ in steps if t < when]
-        after = [step for t, step, *_ in steps if t > when]
-        if before and after:
-            redone.append(max(0, before[-1] - after[0] + 1))
+        after = [(t, step) for t, step, *_ in steps if t > when]
+        if after:
+            recovery.setdefault(kind, []).append(after[0][0] - when)
+            if before:
+                redone.append(max(0, before[-1] - after[0][1] + 1))
     ledger = [(f"step {s[1]}", int(s[2]), float(s[4])) for s in lines(run_dir, "steps.log")]
     ledger += [(" ".join(e[1:e.index("size")]), int(e[e.index("size") + 1]), float(e[-1]))
                for e in lines(run_dir, "ledger.log")]

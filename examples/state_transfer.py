@@ -32,19 +32,11 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "mpi")]
 import hvd_sgp.torch as hvd  # noqa: E402
 from bench_model import RESNET50_PARAMETERS, PayloadMLP  # noqa: E402
-
-TC_UNITS = {"kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8}
-
-
-def link_bytes_per_second(rate: str) -> float:
-    """tc's '1gbit', '200mbit' as bytes per second."""
-    for unit, factor in TC_UNITS.items():
-        if rate.endswith(unit):
-            return float(rate[:-len(unit)]) * factor
-    raise SystemExit(f"--rate takes tc's units (kbit, mbit, gbit), got {rate!r}")
+from virtual_cluster import rate_bytes_per_second  # noqa: E402
 
 
 def digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
@@ -134,7 +126,7 @@ def main() -> None:
     print(f"  (in state.sync: broadcast_parameters {median['parameters']:.3f} s, "
           f"broadcast_optimizer_state {median['optimizer']:.3f} s)")
     if args.rate:
-        link = link_bytes_per_second(args.rate) / 1e6
+        link = rate_bytes_per_second(args.rate) / 1e6
         report["link_mb_per_s"] = link
         print(f"  {'the link (' + args.rate + ')':30}{mb / link:7.3f} s  {link:7.1f} MB/s   "
               f"sync's rate / link's = {mb / median['sync'] / link:.2f}")
