@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import collections
 import io
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -103,27 +103,27 @@ _MOVED_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64, to
 
 
 def _take_tensors(obj: Any, taken: list) -> Any:
-    if isinstance(obj, torch.Tensor) and obj.layout == torch.strided and (
-            obj.dtype in _MOVED_DTYPES):
-        taken.append(obj.detach().cpu().contiguous())
-        return _Moved(len(taken) - 1)
-    if isinstance(obj, torch.Tensor):  # (sparse, complex, ...: pickled as they are)
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _take_tensors(v, taken) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_take_tensors(v, taken) for v in obj)
-    return obj
+    def take(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        if leaf.layout == torch.strided and leaf.dtype in _MOVED_DTYPES:
+            taken.append(leaf.detach().cpu().contiguous())
+            return _Moved(len(taken) - 1)
+        return leaf.detach().cpu()  # (sparse, complex, ...: pickled as they are)
+    return _map_leaves(obj, take)
 
 
 def _put_tensors(obj: Any, tensors: list) -> Any:
-    if isinstance(obj, _Moved):
-        return tensors[obj]
+    return _map_leaves(obj, lambda leaf: tensors[leaf] if isinstance(leaf, _Moved) else leaf)
+
+
+def _map_leaves(obj: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``obj`` rebuilt with ``leaf`` applied below its dicts, lists and tuples."""
     if isinstance(obj, dict):
-        return {k: _put_tensors(v, tensors) for k, v in obj.items()}
+        return {k: _map_leaves(v, leaf) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_put_tensors(v, tensors) for v in obj)
-    return obj
+        return type(obj)(_map_leaves(v, leaf) for v in obj)
+    return leaf(obj)
 
 
 def _dumps(obj: Any) -> bytes:
