@@ -15,13 +15,17 @@ def test_torch_checks(n):
 
 
 def test_two_rank_nodes_average_inside_and_gossip_across():
-    """HVD_SGP_LOCAL_SIZE=2 on 4 ranks: two nodes of two ranks, each rank carrying half."""
+    """HVD_SGP_LOCAL_SIZE=2 on 4 ranks: two nodes of two ranks, each rank carrying half (the
+    zero_grad check here covers the in-node exact average; test_torch_checks, single-rank
+    nodes)."""
     out = run_mpi(4, "torch_checks.py", "check_complete_equals_allreduce",
                   "check_state_dict_and_consensus", "check_regression", "check_placements",
                   "check_node_groups_in_a_user_world", "check_mixed_precision",
                   "check_sparse_gradients", "check_process_set_optimizer",
+                  "check_zero_grad_keeps_views_same_trajectory",
                   env={"HVD_SGP_LOCAL_SIZE": "2"}).stdout
     assert "all torch checks passed on 4 ranks" in out
+    assert "ok zero_grad keeps the gradient views" in out
 
 
 def digits(n, mode):
@@ -50,11 +54,3 @@ def test_synthetic_benchmark_runs_in_both_modes():
                       "--depth", "1", "--width", "8", *flag).stdout
         assert "Total img/sec on 2 ranks" in out
         assert ("AllReduce" if flag else "SGP") in out
-
-
-@pytest.mark.parametrize("local_size", ["2", "1"])
-def test_zero_grad_keeps_views_same_trajectory(local_size):
-    """2 ranks as one node (the in-node exact average) and as two nodes."""
-    out = run_mpi(2, "torch_checks.py", "check_zero_grad_keeps_views_same_trajectory",
-                  env={"HVD_SGP_LOCAL_SIZE": local_size}).stdout
-    assert "ok zero_grad keeps the gradient views" in out
