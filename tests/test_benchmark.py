@@ -47,8 +47,12 @@ def test_cluster_up_check_down():
 
 @needs_root
 def test_cluster_torn_down_on_ctrl_c():
+    """SIGINT as a terminal's Ctrl-C sends it. The child gets SIGINT's default disposition:
+    a suite started in the background of a shell without job control (nohup ... &) inherits
+    SIGINT ignored, and Python then installs no KeyboardInterrupt (the test hung 30 s)."""
     proc = subprocess.Popen(CLUSTER + ["up", "--hosts", "2"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for line in proc.stdout:
             if line.startswith("# mpirun:"):
