@@ -39,8 +39,9 @@ def conservation_and_no_deadlock(tau, in_place=False):
     """Mass plus what is in flight is conserved. ``in_place``: pushes read the buffer itself,
     and after each absorb() the buffer is written (as a local step would) with a change whose
     mass is booked: a push still reading the buffer then would carry mass nobody booked (its
-    model is past MPI's eager limit, so the receiver reads the buffer after the send began)."""
-    size = 100_000 if in_place else 50
+    model, 160 kB as trajectory()'s, is past MPI's eager limits (TCP 64 kB, shared memory
+    4 kB), so the receiver reads the buffer after the send began)."""
+    size = 20_000 if in_place else 50
     buf = allocate(size, np.float64)
     buf[:-1] = rng.normal(size=size)
     timing = Overlap(progress, max_delay=tau, in_place=in_place)
