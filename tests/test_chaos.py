@@ -25,10 +25,17 @@ def environment() -> dict:
 
 def test_fault_tolerant_transports_and_exit_policy():
     """No shared-memory transport under --fault-tolerant (a rank gone without closing is then
-    found by its peers' connections at once), one btl setting with --tcp, and PRRTE told
-    that a non-zero exit does not end the job."""
+    found by its peers' connections at once), one btl setting with --tcp, TCP without its
+    RDMA put (a put still lands after ULFM ended its receive) unless the user set the flags,
+    and PRRTE told that a non-zero exit does not end the job."""
     joined = " ".join(command(["-np", "4", "--fault-tolerant", "python", "x"]))
     assert "--mca btl ^sm" in joined
+    flags = re.search(r"--mca btl_tcp_flags (\S+)", joined).group(1).split(",")
+    assert "send" in flags and "put" not in flags
+    assert "--mca btl_tcp_max_send_size 1048576" in joined
+    users = command(["-np", "4", "--fault-tolerant", "--mpi-args=--mca btl_tcp_flags send,put",
+                     "python", "x"])
+    assert users.count("btl_tcp_flags") == 1 and "send,put" in users
     assert "--prtemca state_base_error_non_zero_exit 0" in joined
     with_tcp = command(["-np", "4", "--fault-tolerant", "--tcp", "python", "x"])
     assert with_tcp.count("btl") == 1 and "self,tcp" in with_tcp

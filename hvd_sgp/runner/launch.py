@@ -384,6 +384,12 @@ def detector_timeout(args: argparse.Namespace) -> float:
             else BY_NAME["detector_timeout"].default)
 
 
+# Open MPI's TCP transport as --fault-tolerant sets it (see fault_tolerant_options): its
+# default flags less "put", and 1 MB fragments (128 kB by default).
+TCP_WITHOUT_PUT = (("btl_tcp_flags", "send,inplace,need-ack,need-csum,hetero-rdma"),
+                   ("btl_tcp_max_send_size", str(2**20)))
+
+
 def fault_tolerant_options(args: argparse.Namespace) -> list[str]:
     """mpirun's ULFM: failures reported to the survivors instead of ending the job, and the
     heartbeat detector (period a quarter of its timeout, as ULFM requires < 1/3). The PRRTE
@@ -402,12 +408,24 @@ def fault_tolerant_options(args: argparse.Namespace) -> list[str]:
     rank gone by os._exit is then found after the detector's timeout). And PRRTE by default
     ends the whole job at the second rank that exits non-zero, silently (Open MPI 5.0.11);
     ``error_non_zero_exit 0`` stops that (sgprun's status comes from the ranks' own records,
-    fault_record.py)."""
+    fault_record.py).
+
+    The TCP transport without its RDMA put (``TCP_WITHOUT_PUT``): a put is one fragment of up
+    to 2 GB that the receiving transport reads straight into the address its receive gave,
+    with no check that the receive is still live; ULFM completes a receive in error at a
+    revoke while a live peer's put into it may still come, and a buffer freed then (a
+    collective's scratch, an abandoned exchange's) is written after it was unmapped: a
+    survivor's crash in 4 of 26 chaos runs at 25M parameters, none in 20 without the put
+    (docs/faults.md). In 1 MB fragments a sender schedules no more once it learns of the
+    revoke, which narrows the window (a fragment in flight still lands); 100 MB between two
+    ranks of this machine took no longer (34 ms, against 41-47 ms with the put)."""
     timeout = detector_timeout(args)
     given = shlex.split(args.mpi_args or "")
-    chosen = args.tcp or any(flag in ("--mca", "-mca") and name == "btl"
-                             for flag, name in zip(given, given[1:]))
-    transports = [] if chosen else ["--mca", "btl", "^sm"]
+    named = {name for flag, name in zip(given, given[1:]) if flag in ("--mca", "-mca")}
+    transports = [] if args.tcp or "btl" in named else ["--mca", "btl", "^sm"]
+    for name, value in TCP_WITHOUT_PUT:
+        if name not in named and f"OMPI_MCA_{name}" not in os.environ:
+            transports += ["--mca", name, value]
     return ["--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true",
             "--mca", "mpi_ft_detector_timeout", f"{timeout:g}",
             "--mca", "mpi_ft_detector_period", f"{timeout / 4:g}", *transports,
