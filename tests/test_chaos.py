@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from mpi_launch import HERE, REPO, run_bounded
-from test_runner import command
+from test_runner import BASE_ENV, command
 
 ENV = {"OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "OMPI_MCA_mpi_yield_when_idle": "1"}
 
@@ -36,6 +36,9 @@ def test_fault_tolerant_transports_and_exit_policy():
     users = command(["-np", "4", "--fault-tolerant", "--mpi-args=--mca btl_tcp_flags send,put",
                      "python", "x"])
     assert users.count("btl_tcp_flags") == 1 and "send,put" in users
+    from_env = command(["-np", "4", "--fault-tolerant", "python", "x"],
+                       env=dict(BASE_ENV, OMPI_MCA_btl_tcp_flags="send,put"))
+    assert "btl_tcp_flags" not in from_env  # Open MPI reads the user's variable itself
     assert "--prtemca state_base_error_non_zero_exit 0" in joined
     with_tcp = command(["-np", "4", "--fault-tolerant", "--tcp", "python", "x"])
     assert with_tcp.count("btl") == 1 and "self,tcp" in with_tcp

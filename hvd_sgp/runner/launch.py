@@ -372,7 +372,7 @@ def _openmpi_options(args: argparse.Namespace, site: Site, job_env: Mapping[str,
     if args.output_filename:
         options += ["--output-filename", args.output_filename]
     if args.fault_tolerant:
-        options += fault_tolerant_options(args)
+        options += fault_tolerant_options(args, job_env)
     for name in forwarded_names(job_env):
         options += ["-x", name]
     return options
@@ -390,7 +390,7 @@ TCP_WITHOUT_PUT = (("btl_tcp_flags", "send,inplace,need-ack,need-csum,hetero-rdm
                    ("btl_tcp_max_send_size", str(2**20)))
 
 
-def fault_tolerant_options(args: argparse.Namespace) -> list[str]:
+def fault_tolerant_options(args: argparse.Namespace, job_env: Mapping[str, str]) -> list[str]:
     """mpirun's ULFM: failures reported to the survivors instead of ending the job, and the
     heartbeat detector (period a quarter of its timeout, as ULFM requires < 1/3). The PRRTE
     defaults make every job recoverable, also those MPI_Comm_spawn starts (replacements,
@@ -418,13 +418,14 @@ def fault_tolerant_options(args: argparse.Namespace) -> list[str]:
     survivor's crash in 4 of 26 chaos runs at 25M parameters, none in 20 without the put
     (docs/faults.md). In 1 MB fragments a sender schedules no more once it learns of the
     revoke, which narrows the window (a fragment in flight still lands); 100 MB between two
-    ranks of this machine took no longer (34 ms, against 41-47 ms with the put)."""
+    ranks of this machine took no longer (34 ms, against 41-47 ms with the put). The user's
+    own setting, in --mpi-args or the job's environment (``job_env``), wins."""
     timeout = detector_timeout(args)
     given = shlex.split(args.mpi_args or "")
     named = {name for flag, name in zip(given, given[1:]) if flag in ("--mca", "-mca")}
     transports = [] if args.tcp or "btl" in named else ["--mca", "btl", "^sm"]
     for name, value in TCP_WITHOUT_PUT:
-        if name not in named and f"OMPI_MCA_{name}" not in os.environ:
+        if name not in named and f"OMPI_MCA_{name}" not in job_env:
             transports += ["--mca", name, value]
     return ["--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true",
             "--mca", "mpi_ft_detector_timeout", f"{timeout:g}",
