@@ -1,5 +1,5 @@
-"""Growing back (``sgprun --fault-tolerant --max-np N``) on real processes; run by
-test_elastic.py.
+"""Growing back (``sgprun --fault-tolerant --max-np N``) on real processes, and repairs
+without a replacement around ``hvd.join()``; run by test_elastic.py.
 
 An elastic training function in Horovod's idiom (hvd.elastic.run, TorchState, a commit per
 step). ``--kill ORIGIN:STEP`` makes the process launched as rank ORIGIN die at that step

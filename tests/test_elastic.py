@@ -125,6 +125,18 @@ def test_grow_back_when_a_rank_dies_before_join():
     assert "lost rank(s) []" not in output, output[-3000:]
 
 
+def test_death_while_the_others_serve_in_join_repairs_once():
+    """Every rank its own node, hvd.join() after every 5 steps, no replacement: rank 3 dies
+    just before the join at step 10, while the others serve steps on join()'s thread, whose
+    exchange with rank 3 fails at the revoke. One repair, and the next joins (steps 15, 20)
+    pass. (Before, the thread and its failure outlived the repair: the next join() raised the
+    old world's failure, and every survivor repaired again with nobody lost.)"""
+    proc = grow(4, "1", "--join-every", "5", "--kill-in-join", "3:10", flags=())
+    output = expect_passed(proc, "grow checks passed on 3 ranks")
+    assert output.count("hvd_sgp: lost rank(s)") == 1, output[-3000:]
+    assert "lost rank(s) [3]; 3 of 4 ranks go on" in output, output[-3000:]
+
+
 def test_grow_back_twice_in_two_rank_nodes_rank_0_lost():
     """Two nodes of two ranks, training: rank 0 dies at step 4 (the lowest survivor takes
     rank 0, whose state the sync sends; the replacement takes its rank, on rank 0's node),

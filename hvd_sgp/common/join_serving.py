@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 
-from hvd_sgp.common import place
+from hvd_sgp.common import place, recovery
 from hvd_sgp.common.arrays import kit_for
 from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.waiting import Wait
@@ -63,10 +63,18 @@ class JoinServing:
             self._served_step()
             self._end_served_step()
             return True
-        self._server = threading.Thread(target=self._served_step, daemon=True,
-                                        name="hvd_sgp join server")
+        self._server = recovery.worker_thread(self._served_step, "hvd_sgp join server")
         self._server.start()
         return True
+
+    def abandon(self) -> None:
+        """The world was repaired (fault-tolerant mode): the served step in progress ended
+        with the old world (the repair waited for its thread), and its failure is that world's,
+        already repaired; raised at the next join() it would start a repair with nobody lost.
+        The next join() starts afresh; the training function restarts before it."""
+        self._server = self._server_failure = None
+        self._joined_group = self._resync_source = None
+        self.serving, self._serve_target = False, 0
 
     def _served_step(self) -> None:
         engine = self.engine

@@ -19,10 +19,11 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Callable, Iterator, Optional
 
 from hvd_sgp.common import fault_record
-from hvd_sgp.common.errors import PeerLostError, on_rank
+from hvd_sgp.common.errors import PeerLostError, SgpError, on_rank
 from hvd_sgp.common.mpi import MPI
 
 # The error classes of a lost peer: ERR_IN_STATUS is what Testall reports for them, and some
@@ -118,8 +119,41 @@ def elastic_scope() -> Iterator[None]:
 
 def repairs_in_step() -> bool:
     """Whether an optimizer repairs a failure inside its own step (fault-tolerant mode, no
-    hvd.elastic.run around): the plain script goes on from the next step."""
-    return status.enabled and status.elastic_depth == 0
+    hvd.elastic.run around, not on a worker thread): the plain script goes on from the next
+    step."""
+    return (status.enabled and status.elastic_depth == 0
+            and threading.current_thread() not in _workers)
+
+
+# --- threads that use the world beside the training thread ---------------------------------
+_workers: set = set()  # started by worker_thread, until they end
+
+
+def worker_thread(target: Callable[[], None], name: str) -> threading.Thread:
+    """A daemon thread (not started) that communicates on hvd_sgp's communicators beside the
+    training thread (join()'s served step). A failure there goes up to the thread that
+    started it and is never repaired in place; a repair waits for it to end before the world
+    is rebuilt (``end_workers``). Otherwise it may go on into the repaired world, or revoke
+    it for a failure of the old one, and every survivor repairs again with nobody lost."""
+    def run() -> None:
+        try:
+            target()
+        finally:
+            _workers.discard(thread)
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    _workers.add(thread)
+    return thread
+
+
+def end_workers(deadline: float) -> None:
+    """Wait until every worker thread has ended (they end at the revoke that begins a repair:
+    their waits fail on it), or raise at ``deadline`` (time.monotonic)."""
+    for thread in list(_workers):
+        thread.join(max(0.0, deadline - time.monotonic()))
+    late = sorted(thread.name for thread in _workers if thread.is_alive())
+    if late:
+        raise SgpError(on_rank(f"the repair waited for thread(s) {late} to leave the revoked "
+                               "world, in vain"))
 
 
 @contextlib.contextmanager

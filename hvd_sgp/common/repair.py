@@ -57,6 +57,7 @@ class Repair:
            exact average. (Under hvd.elastic.run the training function restarts from the
            synced state instead.)
         """
+        self.engine.join.abandon()
         if change.joined:
             self.retire(change)
             return

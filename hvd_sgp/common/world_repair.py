@@ -19,7 +19,8 @@ _said = [False]  # the plain-script note on HVD_SGP_MAX_NP, printed once
 def repair(world: World, realign: bool) -> WorldChange:
     """Repair ``world`` in place after a lost rank; every survivor calls it (runtime.repair).
 
-    1. Revoke every hvd_sgp communicator (late ranks learn at their next MPI call).
+    1. Revoke every hvd_sgp communicator (late ranks learn at their next MPI call), and let
+       this rank's worker threads end on it (recovery.worker_thread).
     2. Shrink the world to its survivors (ULFM's agreement inside MPI_Comm_shrink gives every
        survivor the same communicator); the lost ranks are the difference.
     3. Re-form the nodes and the cross-node communicators (``regroup``).
@@ -42,6 +43,7 @@ def repair(world: World, realign: bool) -> WorldChange:
     with recovery.repairing(deadline):
         while True:
             world.revoke_all()
+            recovery.end_workers(deadline)  # (join()'s served step ends at the revoke)
             try:
                 with recovery.translated("the repair of the world"):
                     survivors = comm.Shrink()  # (Ishrink fails on a revoked world in 5.0)
