@@ -398,6 +398,17 @@ def check_large_broadcasts():
             assert v.dtype == expected[k].dtype and torch.equal(v, expected[k]), (root, k)
         big = hvd.broadcast_object(bytes(range(256)) * 40_000 if me == root else None, root)
         assert big == bytes(range(256)) * 40_000
+    # In place, large arrays receive root's bytes themselves (no copy): a tensor named twice
+    # (tied weights), a non-contiguous one; a broadcast that is not in place leaves its input.
+    g = torch.Generator().manual_seed(7 + me)
+    tied, wide = torch.randn(600_000, generator=g), torch.randn(1000, 800, generator=g)
+    kept = torch.randn(floats, generator=g)
+    expected = hvd.allgather_object((tied.clone(), wide.clone(), kept.clone()))[n - 1]
+    before = kept.clone()
+    hvd.broadcast_parameters({"tied": tied, "also": tied, "wide": wide.t()}, root_rank=n - 1)
+    got = hvd.broadcast(kept, root_rank=n - 1)
+    assert torch.equal(tied, expected[0]) and torch.equal(wide, expected[1])
+    assert torch.equal(got, expected[2]) and torch.equal(kept, before)
     layer = torch.nn.Linear(1100, 1000)  # Adam's two moments of 4.4 MB each, and its steps
     adam = torch.optim.Adam(layer.parameters(), lr=0.01)
     for _ in range(me + 1):  # a different state on every rank
@@ -412,7 +423,8 @@ def check_large_broadcasts():
         for k, v in slots.items():
             assert torch.equal(got["state"][i][k], v), (i, k)
     ok(f"broadcasts of {collectives.CHAIN_MIN_BYTES >> 20} MiB and more from every root "
-       f"({'a chain of segments' if n >= 3 else 'Ibcast'}) equal root's bytes")
+       f"({'a chain of segments' if n >= 3 else 'Ibcast'}) equal root's bytes, in place and "
+       "not")
 
 
 def check_timeline():

@@ -81,13 +81,15 @@ def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
 def _broadcast_state_dict(state: dict, root_rank: int, process_set) -> dict:
     """Root's state_dict on every rank: its structure and small values pickled, its dense
     tensors (momentum, Adam's moments: the model's size or more) in one tensor broadcast, which
-    moves them at the link's rate without torch.save and its copies on every rank."""
+    moves them at the link's rate without torch.save and its copies on every rank. A rank
+    whose state has root's layout (the usual case: the same model and optimizer) receives
+    into its own state's tensors, without allocating the model's size again."""
     tensors: list[torch.Tensor] = []
-    skeleton = _take_tensors(state, tensors) if place.rank() == root_rank else None
+    skeleton = _take_tensors(state, tensors)  # (here, this rank's own tensors)
     skeleton, specs = broadcast_object(
-        None if skeleton is None else (skeleton, [(t.shape, t.dtype) for t in tensors]),
-        root_rank, process_set=process_set)
-    if place.rank() != root_rank:
+        (skeleton, [(t.shape, t.dtype) for t in tensors]) if place.rank() == root_rank
+        else None, root_rank, process_set=process_set)
+    if place.rank() != root_rank and [(t.shape, t.dtype) for t in tensors] != specs:
         tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
     if tensors:
         synchronize(_broadcast_handle(tensors, root_rank, None, process_set, True))

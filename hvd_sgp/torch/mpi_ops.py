@@ -113,9 +113,16 @@ def synchronize(handle: int):
 # --- asynchronous collectives ---------------------------------------------------------------
 def _outputs(tensors: Sequence[torch.Tensor], inplace: bool) -> Callable[[list], list]:
     """How results come back: copied into the inputs (in place) or as new tensors."""
-    if inplace:
-        return lambda results: [t.copy_(from_numpy(r, t)) for t, r in zip(tensors, results)]
+    if inplace:  # (a result that is the tensor's own memory already holds it)
+        return lambda results: [t if _holds(t, r) else t.copy_(from_numpy(r, t))
+                                for t, r in zip(tensors, results)]
     return lambda results: [from_numpy(r, t) for t, r in zip(tensors, results)]
+
+
+def _holds(tensor: torch.Tensor, array: np.ndarray) -> bool:
+    """``array`` is ``tensor``'s own memory (to_numpy shares a contiguous CPU tensor's)."""
+    return (tensor.device.type == "cpu" and tensor.is_contiguous()
+            and array.ctypes.data == tensor.data_ptr() and array.nbytes == tensor.nbytes)
 
 
 def _grouped_allreduce_handle(tensors, average, name, op, prescale_factor, postscale_factor,
@@ -204,7 +211,7 @@ def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
 def _broadcast_handle(tensors, root_rank, name, process_set, inplace: bool) -> int:
     tensors = list(tensors)
     work = collectives.grouped_broadcast_async(root_rank=root_rank, name=name,
-                                               process_set=process_set,
+                                               process_set=process_set, into=inplace,
                                                **_arrays(tensors, "broadcast", False))
     return _register(work, _outputs(tensors, inplace))
 

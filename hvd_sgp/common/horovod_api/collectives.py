@@ -126,21 +126,35 @@ def _identity(op: ReduceOp, spec: TensorSpec) -> np.ndarray:
 class _Fused:
     """Arrays packed into one flat buffer per dtype (one MPI call per dtype). ``fill``: with
     the arrays' values (else empty, to receive); ``own``: the arrays are fresh copies, so a
-    lone array can be its own buffer."""
+    lone array can be its own buffer. A broadcast gives each array of DIRECT_MIN_BYTES or
+    more a buffer of its own (``separate``: a layout every rank derives alike from the
+    negotiated shapes), and with ``into`` (in place) that buffer is the array itself where it
+    can be: sent from and received into without a copy (at 100 MB the copies in and out
+    cost more than the transfer on one host)."""
 
-    def __init__(self, arrays: Sequence[np.ndarray], fill: bool = True, own: bool = False):
+    def __init__(self, arrays: Sequence[np.ndarray], fill: bool = True, own: bool = False,
+                 separate: bool = False, into: bool = False):
         self.shapes = [a.shape for a in arrays]
-        if len(arrays) == 1:  # the common case: no packing
-            a = arrays[0]
-            self.groups = {a.dtype: [0]}
-            self.buffers = [(a.reshape(-1) if own else a.flatten()) if fill
-                            else np.empty(a.size, a.dtype)]
-            return
-        self.groups: dict[np.dtype, list[int]] = {}
+        self.groups: list[list[int]] = []  # the arrays' indices in each buffer
+        self.buffers: list[np.ndarray] = []
+        packed: dict[np.dtype, list[int]] = {}
+        taken: set[int] = set()  # (a tensor named twice, as tied weights are, is copied)
         for i, a in enumerate(arrays):
-            self.groups.setdefault(a.dtype, []).append(i)
-        self.buffers = []
-        for dtype, members in self.groups.items():
+            if own and len(arrays) == 1:
+                self.groups.append([i])
+                self.buffers.append(a.reshape(-1))
+            elif separate and a.nbytes >= DIRECT_MIN_BYTES:
+                self.groups.append([i])
+                if into and a.flags.c_contiguous and a.flags.writeable and (
+                        a.ctypes.data not in taken):
+                    taken.add(a.ctypes.data)
+                    self.buffers.append(a.reshape(-1))
+                else:
+                    self.buffers.append(a.flatten() if fill else np.empty(a.size, a.dtype))
+            else:
+                packed.setdefault(a.dtype, []).append(i)
+        for dtype, members in packed.items():
+            self.groups.append(members)
             if fill:
                 parts = [np.ravel(arrays[i]) for i in members]
                 self.buffers.append(parts[0].copy() if len(parts) == 1 else np.concatenate(parts))
@@ -148,16 +162,17 @@ class _Fused:
                 self.buffers.append(np.empty(sum(arrays[i].size for i in members), dtype))
 
     def parts(self) -> list[np.ndarray]:
-        if len(self.shapes) == 1:
-            return [self.buffers[0].reshape(self.shapes[0])]
         out: list[Optional[np.ndarray]] = [None] * len(self.shapes)
-        for buffer, members in zip(self.buffers, self.groups.values()):
+        for buffer, members in zip(self.buffers, self.groups):
             offset = 0
             for i in members:
                 size = int(np.prod(self.shapes[i], dtype=np.int64))
                 out[i] = buffer[offset:offset + size].reshape(self.shapes[i])
                 offset += size
         return out
+
+
+DIRECT_MIN_BYTES = 1 << 20  # a broadcast's array this large has a buffer of its own
 
 
 def _displacements(counts: Sequence[int]) -> list[int]:
@@ -277,7 +292,7 @@ class _Broadcast(Kind):
 
     def phase(self, op, ctl):
         root = ctl.ranks.index(op.request.root)
-        fused = _Fused(op.arrays, fill=ctl.rank == root)
+        fused = _Fused(op.arrays, fill=ctl.rank == root, separate=True, into=op.into)
         if ctl.size >= 3 and sum(b.nbytes for b in fused.buffers) >= CHAIN_MIN_BYTES:
             yield from _chain(fused.buffers, root, ctl)
         else:
@@ -350,11 +365,11 @@ for _kind in (_Allreduce(), _Reducescatter(), _Allgather(), _Broadcast(), _Allto
 def submit(kind: str, arrays: Optional[list], process_set: ProcessSet, name: Optional[str],
            dtypes: Optional[Sequence[str]] = None, devices: Optional[Sequence[str]] = None,
            problem: str = "", error: type = SgpValueError, side: Sequence[np.ndarray] = (),
-           **fields: Any) -> Operation:
+           into: bool = False, **fields: Any) -> Operation:
     """Negotiate one collective of ``kind`` on ``arrays`` (``side`` arrays ride along
-    undescribed). ``problem`` (an argument error the caller found) travels with the request
-    so every rank fails; here it is raised as ``error``. ``fields``: op, root, prescale,
-    postscale, extra of the Request."""
+    undescribed; ``into``: see Operation). ``problem`` (an argument error the caller found)
+    travels with the request so every rank fails; here it is raised as ``error``. ``fields``:
+    op, root, prescale, postscale, extra of the Request."""
     ctl = process_sets.controller(process_set)
     arrays = [np.asarray(a) if isinstance(a, np.generic) else a for a in arrays or ()]
     problem = problem or next((p for p in map(_movable, arrays) if p), "")
@@ -363,7 +378,7 @@ def submit(kind: str, arrays: Optional[list], process_set: ProcessSet, name: Opt
                    devices[i] if devices else "cpu") for i, a in enumerate(arrays))
     with negotiation.lock():
         request = Request(kind, name or ctl.next_name(), specs, error=problem, **fields)
-        op = ctl.submit(request, arrays + list(side))
+        op = ctl.submit(request, arrays + list(side), into)
     if problem:
         raise error(f"{kind} {request.name!r}: {problem}")
     return op
@@ -422,13 +437,16 @@ def grouped_broadcast_async(arrays: Sequence[np.ndarray], root_rank: int,
                             name: Optional[str] = None,
                             process_set: ProcessSet = global_process_set,
                             dtypes: Optional[Sequence[str]] = None,
-                            devices: Optional[Sequence[str]] = None) -> Handle:
-    """Root's arrays on every rank of the set (``root_rank`` is a global rank, as Horovod's)."""
+                            devices: Optional[Sequence[str]] = None,
+                            into: bool = False) -> Handle:
+    """Root's arrays on every rank of the set (``root_rank`` is a global rank, as Horovod's).
+    ``into``: the arrays may be overwritten (an in-place broadcast); the large ones then
+    receive root's values themselves, and are the result."""
     ranks = process_sets.ranks_of(process_set)
     problem = "" if root_rank in ranks else (
         f"root_rank {root_rank} is not a rank of the process set (ranks {list(ranks)})")
     return Handle(submit("broadcast", list(arrays), process_set, name, dtypes, devices, problem,
-                         root=int(root_rank)))
+                         into=into, root=int(root_rank)))
 
 
 def alltoall_async(array: np.ndarray, splits: Optional[Sequence[int]] = None,

@@ -147,9 +147,11 @@ def register(kind: Kind) -> Kind:
 class Operation:
     """One collective on this rank: negotiating, then moving data, then done or failed."""
 
-    def __init__(self, request: Request, arrays: Optional[list], abandoned: bool = False):
+    def __init__(self, request: Request, arrays: Optional[list], abandoned: bool = False,
+                 into: bool = False):
         self.request = request
         self.arrays = arrays  # None: a joined rank mirroring the others' op
+        self.into = into  # this rank's arrays may receive the result (in place; local)
         self.abandoned = abandoned  # its argument error was raised already; drop the answer
         self.response: Optional[Response] = None
         self.submitted = time.monotonic()
@@ -225,7 +227,7 @@ class Controller:
         self.unnamed += 1
         return f"noname.{self.epoch}.{self.unnamed}"
 
-    def submit(self, request: Request, arrays: Optional[list]) -> Operation:
+    def submit(self, request: Request, arrays: Optional[list], into: bool = False) -> Operation:
         """File ``request`` (with its arrays) for negotiation. A request carrying an argument
         error is still sent, so the other ranks fail too; the caller raises it here."""
         earlier = self.live.get(request.name)
@@ -236,7 +238,7 @@ class Controller:
                    "collectives")
             raise SgpValueError(f"{request.kind} {request.name!r}: a collective with this name "
                                 f"is already in flight on this rank{self._where()}; {why}")
-        op = Operation(request, arrays, abandoned=bool(request.error))
+        op = Operation(request, arrays, abandoned=bool(request.error), into=into)
         if self.broken:
             op.finish(error=self._broken_error())
             return op
