@@ -415,10 +415,14 @@ def check_large_broadcasts():
         adam.zero_grad()
         layer(torch.randn(4, 1100)).pow(2).sum().backward()
         adam.step()
+    adam.state[layer.bias]["wide"] = torch.randn(50, 40, generator=g).t()  # not contiguous
     expected = hvd.allgather_object(adam.state_dict())[n - 1]
+    moments = [adam.state[layer.weight][k].data_ptr() for k in ("exp_avg", "exp_avg_sq")]
     hvd.broadcast_optimizer_state(adam, root_rank=n - 1)
     got = adam.state_dict()
     assert got["param_groups"] == expected["param_groups"]
+    assert moments == [adam.state[layer.weight][k].data_ptr()  # received into, not copied
+                       for k in ("exp_avg", "exp_avg_sq")]
     for i, slots in expected["state"].items():
         for k, v in slots.items():
             assert torch.equal(got["state"][i][k], v), (i, k)

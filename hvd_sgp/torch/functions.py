@@ -85,11 +85,12 @@ def _broadcast_state_dict(state: dict, root_rank: int, process_set) -> dict:
     whose state has root's layout (the usual case: the same model and optimizer) receives
     into its own state's tensors, without allocating the model's size again."""
     tensors: list[torch.Tensor] = []
-    skeleton = _take_tensors(state, tensors)  # (here, this rank's own tensors)
+    is_root = place.rank() == root_rank
+    skeleton = _take_tensors(state, tensors, is_root)  # (here, this rank's own tensors)
     skeleton, specs = broadcast_object(
-        (skeleton, [(t.shape, t.dtype) for t in tensors]) if place.rank() == root_rank
-        else None, root_rank, process_set=process_set)
-    if place.rank() != root_rank and [(t.shape, t.dtype) for t in tensors] != specs:
+        (skeleton, [(t.shape, t.dtype) for t in tensors]) if is_root else None,
+        root_rank, process_set=process_set)
+    if not is_root and [(t.shape, t.dtype) for t in tensors] != specs:
         tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
     if tensors:
         synchronize(_broadcast_handle(tensors, root_rank, None, process_set, True))
@@ -104,12 +105,17 @@ _MOVED_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64, to
                  torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool}
 
 
-def _take_tensors(obj: Any, taken: list) -> Any:
+def _take_tensors(obj: Any, taken: list, values: bool) -> Any:
+    """``obj`` with its dense tensors moved to ``taken`` as host tensors. Without ``values``
+    (a receiving rank) they are only buffers to receive into: the tensor itself where it is on
+    the host and contiguous, else a new one, without copying a GPU's state to the host."""
     def take(leaf: Any) -> Any:
         if not isinstance(leaf, torch.Tensor):
             return leaf
         if leaf.layout == torch.strided and leaf.dtype in _MOVED_DTYPES:
-            taken.append(leaf.detach().cpu().contiguous())
+            shares = leaf.device.type == "cpu" and leaf.is_contiguous()
+            taken.append(leaf.detach().cpu().contiguous() if values or shares
+                         else torch.empty(leaf.shape, dtype=leaf.dtype))
             return _Moved(len(taken) - 1)
         return leaf.detach().cpu()  # (sparse, complex, ...: pickled as they are)
     return _map_leaves(obj, take)
