@@ -497,6 +497,44 @@ def test_sgprun_grow_back_flags():
     assert not no.fault_tolerant
 
 
+def test_torch_state_commits_into_its_copy_and_restores_the_commit_every_time():
+    """A commit writes into the tensors of the last one (the same memory, not a new copy per
+    step), and stays the commit: restored twice without a commit between, model and Adam come
+    back to it both times (torch's Optimizer.load_state_dict keeps the tensors it is given:
+    loading the commit itself let the next steps change it, the second restore brought those
+    back). Launch-free: TorchState needs no MPI until its sync."""
+    import copy
+    import torch
+    import hvd_sgp.torch as hvd
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    adam = torch.optim.Adam(model.parameters(), lr=0.1)
+
+    def step():
+        adam.zero_grad()
+        model(torch.randn(8, 3)).pow(2).sum().backward()
+        adam.step()
+    step()
+    state = hvd.elastic.TorchState(model, adam)
+    step()
+    state.commit()
+    saved = state._handlers["optimizer"]._saved["state"][0]["exp_avg"]
+    committed = copy.deepcopy((model.state_dict(), adam.state_dict()))
+    for _ in range(2):
+        step()
+        state.restore()
+        got = (model.state_dict(), adam.state_dict())
+        assert all(torch.equal(got[0][k], v) for k, v in committed[0].items())
+        assert all(torch.equal(got[1]["state"][i][k], v)
+                   for i, slots in committed[1]["state"].items() for k, v in slots.items())
+    step()
+    state.commit()
+    assert state._handlers["optimizer"]._saved["state"][0]["exp_avg"] is saved
+    assert torch.equal(saved, adam.state_dict()["state"][0]["exp_avg"])
+    assert saved.data_ptr() != adam.state_dict()["state"][0]["exp_avg"].data_ptr()
+    assert hasattr(state._handlers["model"]._saved, "_metadata")  # (BatchNorm's version)
+
+
 def test_fault_records_decide_the_status(tmp_path):
     env = {fault_record.VARIABLE: str(tmp_path)}
     for rank in range(4):

@@ -87,17 +87,41 @@ class _StateDictHandler(_elastic.StateHandler):
         self.save()
 
     def save(self) -> None:
-        self._saved = copy.deepcopy(self.value.state_dict())
+        self._saved = _copy_into(getattr(self, "_saved", None), self.value.state_dict())
 
     def restore(self) -> None:
-        self.value.load_state_dict(self._saved)
+        """Load a copy of the commit: an optimizer's load_state_dict keeps the tensors it is
+        given, whose next steps would otherwise change the commit itself."""
+        self.value.load_state_dict(_copy_into(None, self._saved))
 
     def sync(self) -> None:
         self.value.load_state_dict(broadcast_object(self.value.state_dict()))
 
 
+def _copy_into(saved: Any, value: Any) -> Any:
+    """A private copy of ``value`` (a state_dict), its tensors written into ``saved``'s where
+    they match (shape, dtype, device): a commit per step then copies into memory it holds, where
+    a deep copy allocated the model's size afresh each time (25M parameters at 8 ranks on one
+    host: 0.3-2.3 s against 0.05 s per commit). Other values are deep-copied."""
+    if isinstance(value, torch.Tensor) and value.layout == torch.strided:
+        if (isinstance(saved, torch.Tensor) and saved.shape == value.shape
+                and saved.dtype == value.dtype and saved.device == value.device):
+            return saved.copy_(value.detach())
+        return value.detach().clone()
+    if isinstance(value, dict):
+        old = saved if isinstance(saved, dict) else {}
+        copied = copy.copy(value)  # the same mapping type, and a state_dict's _metadata
+        for key, item in value.items():
+            copied[key] = _copy_into(old.get(key), item)
+        return copied
+    return copy.deepcopy(value)
+
+
 class _ModelHandler(_StateDictHandler):
     parameters = True
+
+    def restore(self) -> None:
+        self.value.load_state_dict(self._saved)  # (a module copies into its own tensors)
 
     def sync(self) -> None:
         broadcast_parameters(self.value.state_dict(), root_rank=0)
