@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from hvd_sgp.common.errors import PeerLostError, PeerTimeoutError, SgpValueError
 from hvd_sgp.sim import SimNetwork
+from hvd_sgp.common.node import exact_average, fold_scratch
 from hvd_sgp.sim.faults import ThreadGroup, lose, run_members
 from mpi_launch import run_mpi
 from test_properties import graphs
@@ -149,6 +150,30 @@ def test_a_fold_cut_short_by_a_death_leaves_the_state_for_the_next_attempt(
     net = lose(net, lost | {victim}, topology="exponential")
     assert np.abs(net.params - expected).max() <= 1e-12 * np.abs(expected).max()
     assert np.all(net.weights() == 1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 6), dim=st.integers(1, 300), per_entry=st.booleans(),
+       dtype=st.sampled_from([np.float32, np.float64]), seed=st.integers(0, 2**16))
+def test_the_fold_in_its_scratch_gives_the_bits_of_the_fold_without(n, dim, per_entry, dtype,
+                                                                     seed):
+    """The repair's fold takes its copy in memory kept for it (node.fold_scratch, in
+    fault-tolerant mode) rather than a new array: the same bits on every member, weight by
+    weight or entry by entry, and the scratch used again gives them again."""
+    rng = np.random.default_rng(seed)
+    start = rng.normal(size=(n, dim + 1)).astype(dtype)
+    start[:, -1] = rng.uniform(0.1, 2.0, size=n)
+    weights = [rng.uniform(0.1, 2.0, size=dim) if per_entry else None for _ in range(n)]
+
+    def fold(scratch):
+        buffers = start.copy()
+        run_members(ThreadGroup(n), [lambda comm, r=r: exact_average(
+            buffers[r], comm, None, weights[r], None if scratch is None else scratch[r])
+            for r in range(n)])
+        return buffers
+    scratch = fold_scratch(list(start))
+    expected = fold(None)
+    assert np.array_equal(fold(scratch), expected) and np.array_equal(fold(scratch), expected)
 
 
 def test_lose_names_what_it_cannot_do():

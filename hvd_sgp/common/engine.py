@@ -35,7 +35,7 @@ from hvd_sgp.common.errors import PeerLostError, SgpValueError
 from hvd_sgp.common.join_serving import JoinServing
 from hvd_sgp.common.local_update import LocalUpdates
 from hvd_sgp.common.mpi import MPI
-from hvd_sgp.common.node import NodeShard, average_arrays, exact_average, in_node
+from hvd_sgp.common.node import NodeShard, average_arrays, exact_average, fold_scratch, in_node
 from hvd_sgp.common.options import SgpOptions
 from hvd_sgp.common.outer import OuterLoop
 from hvd_sgp.common.mixers import build, feeds_back
@@ -62,6 +62,8 @@ class GossipEngine:
         (see Repair.retire); its iteration, epoch, timeline and repair records go on."""
         self.options = options
         self.buffers = list(buffers)
+        # the fold's copies, ready for a repair (node.fold_scratch), in fault-tolerant mode
+        self.scratch = fold_scratch(self.buffers) if recovery.enabled() else []
         self.access = access
         layout = layout or runtime.layout()  # the world's, or a process set's
         self.codec = make_codec(codec)
@@ -401,7 +403,8 @@ class GossipEngine:
         one per entry, by those (``entry_weights``, one array or None per buffer)."""
         for i, buf in enumerate(self.buffers):
             weights = entry_weights[i] if i < len(entry_weights) else None
-            exact_average(buf, self.cross, self.local, weights)
+            exact_average(buf, self.cross, self.local, weights,
+                          self.scratch[i] if self.scratch else None)
 
     def metrics(self) -> dict:
         """Cheap per-rank figures (no communication)."""

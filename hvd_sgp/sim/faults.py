@@ -18,7 +18,7 @@ import numpy as np
 
 from hvd_sgp.common.errors import PeerLostError, PeerTimeoutError, SgpValueError
 from hvd_sgp.common.mpi import MPI
-from hvd_sgp.common.node import exact_average
+from hvd_sgp.common.node import exact_average, fold_scratch
 from hvd_sgp.common.topology import Topology
 from hvd_sgp.sim.network import SimNetwork
 
@@ -130,9 +130,11 @@ def lose(net: SimNetwork, lost: Iterable[int],
     net.mailbox.messages.clear()  # (the old transport's messages go with it)
     entry_weights = [net.mixers[i].entry_weights() for i in survivors]
     buffers = [net.buffers[i] for i in survivors]
+    scratch = fold_scratch(buffers)  # (as an engine's in fault-tolerant mode)
     victim = None if dies is None else (survivors.index(dies[0]), dies[1])
     run_members(ThreadGroup(len(survivors), victim),
-                [lambda comm, r=r: exact_average(buffers[r], comm, None, entry_weights[r])
+                [lambda comm, r=r: exact_average(buffers[r], comm, None, entry_weights[r],
+                                                 scratch[r])
                  for r in range(len(survivors))])
     after = SimNetwork(net.topology.name if topology is None else topology, net.dim,
                        n=len(survivors), **net.settings)
