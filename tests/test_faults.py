@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hvd_sgp.common.errors import PeerLostError, PeerTimeoutError, SgpValueError
-from hvd_sgp.sim import SimNetwork
 from hvd_sgp.common.node import exact_average, fold_scratch
+from hvd_sgp.sim import SimNetwork
 from hvd_sgp.sim.faults import ThreadGroup, lose, run_members
 from mpi_launch import run_mpi
 from test_properties import graphs

@@ -140,19 +140,16 @@ class _Fused:
         packed: dict[np.dtype, list[int]] = {}
         taken: set[int] = set()  # (a tensor named twice, as tied weights are, is copied)
         for i, a in enumerate(arrays):
-            if own and len(arrays) == 1:
-                self.groups.append([i])
-                self.buffers.append(a.reshape(-1))
-            elif separate and a.nbytes >= DIRECT_MIN_BYTES:
-                self.groups.append([i])
-                if into and a.flags.c_contiguous and a.flags.writeable and (
-                        a.ctypes.data not in taken):
-                    taken.add(a.ctypes.data)
-                    self.buffers.append(a.reshape(-1))
-                else:
-                    self.buffers.append(a.flatten() if fill else np.empty(a.size, a.dtype))
-            else:
+            if not (own and len(arrays) == 1 or separate and a.nbytes >= DIRECT_MIN_BYTES):
                 packed.setdefault(a.dtype, []).append(i)
+                continue
+            self.groups.append([i])  # a buffer of its own: the array itself where it can be
+            if own or into and a.flags.c_contiguous and a.flags.writeable and (
+                    a.ctypes.data not in taken):
+                taken.add(a.ctypes.data)
+                self.buffers.append(a.reshape(-1))
+            else:
+                self.buffers.append(a.flatten() if fill else np.empty(a.size, a.dtype))
         for dtype, members in packed.items():
             self.groups.append(members)
             if fill:
