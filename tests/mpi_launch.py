@@ -28,6 +28,8 @@ def run_mpi(n: int, script: str, *args: str, env: dict | None = None, timeout: f
                     "OMPI_MCA_rmaps_base_oversubscribe": "1",
                     "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe",
                     "OMPI_MCA_mpi_yield_when_idle": "1", "HVD_SGP_LOCAL_SIZE": "1",
+                    # no libfabric here: probing for it costs every rank 1.0 s in MPI_Init
+                    "OMPI_MCA_btl": "^ofi",
                     "TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1",
                     "PYTHONPATH": os.pathsep.join([str(REPO), environ.get("PYTHONPATH", "")])})
     environ.update(env or {})
