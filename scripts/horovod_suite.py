@@ -115,7 +115,8 @@ def mpirun_path() -> str:
 
 def suite_environment(alias: str, layout: str) -> dict[str, str]:
     """The ranks' environment: the alias and this plugin first on the path, no bytecode written
-    (the peer tree stays untouched even as root), Open MPI's consent to run as root."""
+    (the peer tree stays untouched even as root), Open MPI's consent to run as root and no
+    libfabric transport."""
     env = dict(os.environ)
     paths = [alias, os.path.dirname(os.path.abspath(__file__)), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
@@ -126,6 +127,8 @@ def suite_environment(alias: str, layout: str) -> dict[str, str]:
     # hvd_sgp's own deadline on every wait, shorter than --limit: a wait that has a deadline
     # ends as a named error (FAIL); what still hangs is a wait without one.
     env.setdefault("HVD_SGP_TIMEOUT", str(DEADLINE_SECONDS))
+    # One host, no fabric: Open MPI's libfabric probe would cost each rank 1 s in MPI_Init.
+    env.setdefault("OMPI_MCA_btl", "^ofi")
     return env
 
 
