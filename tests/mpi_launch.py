@@ -48,6 +48,63 @@ def run_mpi(n: int, script: str, *args: str, env: dict | None = None, timeout: f
     return proc
 
 
+# Check scripts that share one launch per world size: single-rank nodes, no arguments, no
+# environment of their own. A rank's start-up (Python, torch, torch's first optimizer importing
+# torch._dynamo) costs about 2.5 s of CPU, paid here once per world instead of once per script.
+# The first test to ask runs the launch, so pytest's durations charge it all to that test.
+SHARED_LAUNCHES = {
+    1: ("torch_checks.py", "compression_checks.py", "horovod_api_checks.py"),
+    2: ("torch_checks.py", "join_checks.py", "horovod_api_checks.py"),
+    3: ("torch_checks.py", "compression_checks.py", "join_checks.py", "horovod_api_checks.py"),
+    4: ("torch_checks.py", "compression_checks.py", "uneven_checks.py", "outer_checks.py",
+        "join_checks.py", "horovod_api_checks.py"),
+}
+_shared: dict[int, tuple[dict[str, list[str]], str, str]] = {}  # sections, stdout, stderr
+MARK = "=== world_checks "
+
+
+def run_checks(n: int, script: str, timeout: float = 900) -> str:
+    """Rank 0's output of ``script`` (no arguments) on n single-rank nodes: from the launch its
+    world shares with the other scripts of ``SHARED_LAUNCHES``, or from a launch of its own
+    where it has none, where that launch ended before the script did, or where it failed
+    there (then it must fail alone too, else the error names the scripts run before it)."""
+    members = SHARED_LAUNCHES.get(n, ())
+    if script not in members:
+        return run_mpi(n, script, timeout=timeout).stdout
+    if n not in _shared:
+        try:
+            proc = run_mpi(n, "world_checks.py", *members, timeout=timeout * len(members),
+                           check=False)
+            stdout, stderr = proc.stdout, proc.stderr
+        except subprocess.TimeoutExpired as expired:
+            stdout, stderr = _text(expired.stdout), f"timed out after {expired.timeout} s"
+        sections: dict[str, list[str]] = {}
+        current = None
+        for line in stdout.splitlines():
+            if line.startswith(MARK):
+                word, name = line[len(MARK):].split(" ", 1)
+                current = name if word == "begin" else None
+                sections.setdefault(name, []).append(line)
+            elif current is not None:
+                sections[current].append(line)
+        _shared[n] = sections, stdout[-6000:], stderr[-6000:]
+    sections, stdout, stderr = _shared[n]
+    lines = sections.get(script, [])
+    if lines and lines[-1] == f"{MARK}end {script}":
+        return "\n".join(lines)
+    alone = run_mpi(n, script, timeout=timeout).stdout
+    if lines:
+        before = members[:members.index(script)]
+        raise AssertionError(f"{script} passed alone on {n} ranks but failed in one launch "
+                             f"after {list(before)}\n--- stdout ---\n{stdout}\n"
+                             f"--- stderr ---\n{stderr}")
+    return alone
+
+
+def _text(output: bytes | str | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
+
+
 def run_checked(*command, **kwargs) -> str:
     """Run a plain command (not under MPI); its stdout, or an assertion with its output."""
     proc = subprocess.run([str(c) for c in command], capture_output=True, text=True,

@@ -6,12 +6,12 @@ import sys
 
 import pytest
 
-from mpi_launch import REPO, run_mpi
+from mpi_launch import REPO, run_checks, run_mpi
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_horovod_api_checks(n):
-    out = run_mpi(n, "horovod_api_checks.py", timeout=600).stdout
+    out = run_checks(n, "horovod_api_checks.py", timeout=600)
     assert f"all horovod api checks passed on {n} ranks" in out
     print(out)
 

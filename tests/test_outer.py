@@ -23,14 +23,14 @@ from hvd_sgp.common.topology import ExponentialGraph
 from hvd_sgp.runner import launch
 from hvd_sgp.sim import SimNetwork
 from hvd_sgp.sim.network import Mailbox, SimTransport
-from mpi_launch import run_mpi
+from mpi_launch import run_checks, run_mpi
 from test_properties import graphs
 
 SPECS = ["diloco", "nesterov:0.5:0.8", "heavyball:1:0.5", "sgd:0.7", "sgd:1"]
 
 
 def test_outer_checks_on_four_ranks():
-    out = run_mpi(4, "outer_checks.py", timeout=900).stdout
+    out = run_checks(4, "outer_checks.py")
     print(out)
     assert "all outer checks passed on 4 ranks" in out
 

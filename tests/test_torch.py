@@ -3,12 +3,12 @@ import re
 
 import pytest
 
-from mpi_launch import run_mpi
+from mpi_launch import run_checks, run_mpi
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 def test_torch_checks(n):
-    out = run_mpi(n, "torch_checks.py", timeout=600).stdout
+    out = run_checks(n, "torch_checks.py", timeout=600)
     assert f"all torch checks passed on {n} ranks" in out
     if n in (2, 4, 8):
         assert "exact average in log2(n)" in out

@@ -10,11 +10,11 @@ import pytest
 from hvd_sgp.common import options
 from hvd_sgp.common.errors import OptionError
 from hvd_sgp.runner import launch
-from mpi_launch import run_mpi
+from mpi_launch import run_checks, run_mpi
 
 
 def test_uneven_checks_on_four_ranks():
-    out = run_mpi(4, "uneven_checks.py", timeout=900).stdout
+    out = run_checks(4, "uneven_checks.py")
     print(out)
     assert "all uneven checks passed on 4 ranks" in out
 
