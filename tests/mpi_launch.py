@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterable
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -48,57 +49,70 @@ def run_mpi(n: int, script: str, *args: str, env: dict | None = None, timeout: f
     return proc
 
 
-# Check scripts that share one launch per world size: single-rank nodes, no arguments, no
-# environment of their own. A rank's start-up (Python, torch, torch's first optimizer importing
-# torch._dynamo) costs about 2.5 s of CPU, paid here once per world instead of once per script.
-# The first test to ask runs the launch, so pytest's durations charge it all to that test.
-SHARED_LAUNCHES = {
-    1: ("torch_checks.py", "compression_checks.py", "horovod_api_checks.py"),
-    2: ("torch_checks.py", "join_checks.py", "horovod_api_checks.py"),
-    3: ("torch_checks.py", "compression_checks.py", "join_checks.py", "horovod_api_checks.py"),
-    4: ("torch_checks.py", "compression_checks.py", "uneven_checks.py", "outer_checks.py",
-        "join_checks.py", "horovod_api_checks.py"),
-}
-_shared: dict[int, tuple[dict[str, list[str]], str, str]] = {}  # sections, stdout, stderr
+# Check scripts that share launches: a rank's start-up (Python, torch, torch's first optimizer
+# importing torch._dynamo) costs about 2.5 s of CPU, paid once per launch. The scripts declared
+# (at import, so before any test runs) for the same world size and layout run one after another
+# in one launch; the first test to ask runs it, so pytest's durations charge it all to that test.
+_SHARING: dict[tuple[int, str], list[str]] = {}  # (ranks, HVD_SGP_LOCAL_SIZE) -> members
+_SHARED: dict[tuple[int, str], tuple[dict[str, list[str]], str, str]] = {}
 MARK = "=== world_checks "
 
 
-def run_checks(n: int, script: str, timeout: float = 900) -> str:
-    """Rank 0's output of ``script`` (no arguments) on n single-rank nodes: from the launch its
-    world shares with the other scripts of ``SHARED_LAUNCHES``, or from a launch of its own
-    where it has none, where that launch ended before the script did, or where it failed
-    there (then it must fail alone too, else the error names the scripts run before it)."""
-    members = SHARED_LAUNCHES.get(n, ())
-    if script not in members:
-        return run_mpi(n, script, timeout=timeout).stdout
-    if n not in _shared:
-        try:
-            proc = run_mpi(n, "world_checks.py", *members, timeout=timeout * len(members),
-                           check=False)
-            stdout, stderr = proc.stdout, proc.stderr
-        except subprocess.TimeoutExpired as expired:
-            stdout, stderr = _text(expired.stdout), f"timed out after {expired.timeout} s"
-        sections: dict[str, list[str]] = {}
-        current = None
-        for line in stdout.splitlines():
-            if line.startswith(MARK):
-                word, name = line[len(MARK):].split(" ", 1)
-                current = name if word == "begin" else None
-                sections.setdefault(name, []).append(line)
-            elif current is not None:
-                sections[current].append(line)
-        _shared[n] = sections, stdout[-6000:], stderr[-6000:]
-    sections, stdout, stderr = _shared[n]
-    lines = sections.get(script, [])
-    if lines and lines[-1] == f"{MARK}end {script}":
-        return "\n".join(lines)
-    alone = run_mpi(n, script, timeout=timeout).stdout
-    if lines:
-        before = members[:members.index(script)]
-        raise AssertionError(f"{script} passed alone on {n} ranks but failed in one launch "
-                             f"after {list(before)}\n--- stdout ---\n{stdout}\n"
-                             f"--- stderr ---\n{stderr}")
-    return alone
+class SharedChecks:
+    """``script args`` (a check script of tests/), launched with the others declared for the
+    same world size and layout on each of ``worlds``, and alone on other world sizes."""
+
+    def __init__(self, script: str, *args: str, worlds: Iterable[int] = (),
+                 local_size: str = "1"):
+        self.script, self.args, self.local_size = script, args, local_size
+        self.member = " ".join((script, *args))
+        self.worlds = set(worlds)
+        for n in self.worlds:
+            _SHARING.setdefault((n, local_size), []).append(self.member)
+
+    def run(self, n: int, timeout: float = 900) -> str:
+        """Rank 0's output of the script on n ranks. From the shared launch where it finished
+        there; else from a launch of its own (where that launch ended before the script did,
+        or the script failed there: then it must fail alone too, else the error names the
+        scripts run before it)."""
+        env = {"HVD_SGP_LOCAL_SIZE": self.local_size}
+        if n not in self.worlds:
+            return run_mpi(n, self.script, *self.args, env=env, timeout=timeout).stdout
+        key = (n, self.local_size)
+        members = _SHARING[key]
+        if key not in _SHARED:
+            _SHARED[key] = _launch_together(n, members, env, timeout * len(members))
+        sections, stdout, stderr = _SHARED[key]
+        lines = sections.get(self.member, [])
+        if lines and lines[-1] == f"{MARK}end {self.member}":
+            return "\n".join(lines)
+        alone = run_mpi(n, self.script, *self.args, env=env, timeout=timeout).stdout
+        if lines:
+            before = members[:members.index(self.member)]
+            raise AssertionError(f"{self.member} passed alone on {n} ranks but failed in one "
+                                 f"launch after {before}\n--- stdout ---\n{stdout}\n"
+                                 f"--- stderr ---\n{stderr}")
+        return alone
+
+
+def _launch_together(n: int, members: list[str], env: dict,
+                     timeout: float) -> tuple[dict[str, list[str]], str, str]:
+    """One launch of world_checks.py running ``members``; rank 0's lines of each, by member."""
+    try:
+        proc = run_mpi(n, "world_checks.py", *members, env=env, timeout=timeout, check=False)
+        stdout, stderr = proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as expired:
+        stdout, stderr = _text(expired.stdout), f"timed out after {expired.timeout} s"
+    sections: dict[str, list[str]] = {}
+    current = None
+    for line in stdout.splitlines():
+        if line.startswith(MARK):
+            word, member = line[len(MARK):].split(" ", 1)
+            current = member if word == "begin" else None
+            sections.setdefault(member, []).append(line)
+        elif current is not None:
+            sections[current].append(line)
+    return sections, stdout[-6000:], stderr[-6000:]
 
 
 def _text(output: bytes | str | None) -> str:

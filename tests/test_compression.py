@@ -8,12 +8,18 @@ import sys
 
 import pytest
 
-from mpi_launch import REPO, run_checks, run_mpi
+from mpi_launch import REPO, SharedChecks, run_mpi
+
+
+TORCH = SharedChecks("compression_checks.py", worlds=[1, 3, 4])  # every check but Keras's
+TWO_RANK_NODES = SharedChecks("compression_checks.py", "check_pure_mixing_conserves_the_average",
+                              "check_compressed_training_converges",
+                              "check_slowmo_and_checkpoints", worlds=[4], local_size="2")
 
 
 @pytest.mark.parametrize("n", [1, 3, 4])
 def test_compression_checks(n):
-    out = run_checks(n, "compression_checks.py")  # every check but Keras's
+    out = TORCH.run(n)
     print(out)
     assert f"all compression checks passed on {n} ranks" in out
     if n > 1:
@@ -22,9 +28,7 @@ def test_compression_checks(n):
 
 def test_two_rank_nodes_carry_compressed_shards():
     """HVD_SGP_LOCAL_SIZE=2 on 4 ranks: each local rank gossips its shard compressed."""
-    out = run_mpi(4, "compression_checks.py", "check_pure_mixing_conserves_the_average",
-                  "check_compressed_training_converges", "check_slowmo_and_checkpoints",
-                  env={"HVD_SGP_LOCAL_SIZE": "2"}, timeout=900).stdout
+    out = TWO_RANK_NODES.run(4)
     assert "all compression checks passed on 4 ranks" in out
 
 

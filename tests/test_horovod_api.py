@@ -6,12 +6,15 @@ import sys
 
 import pytest
 
-from mpi_launch import REPO, run_checks, run_mpi
+from mpi_launch import REPO, SharedChecks, run_mpi
+
+
+CHECKS = SharedChecks("horovod_api_checks.py", worlds=[1, 2, 3, 4])
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_horovod_api_checks(n):
-    out = run_checks(n, "horovod_api_checks.py", timeout=600)
+    out = CHECKS.run(n, timeout=600)
     assert f"all horovod api checks passed on {n} ranks" in out
     print(out)
 

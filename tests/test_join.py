@@ -2,16 +2,18 @@
 batches): exact data parallelism in one node, gossip across nodes, on 2, 3 and 4 ranks."""
 import pytest
 
-from mpi_launch import run_checks, run_mpi
+from mpi_launch import SharedChecks
+
+
+# by HVD_SGP_LOCAL_SIZE ("": the machine is one node)
+LAYOUTS = {"": SharedChecks("join_checks.py", local_size=""),
+           "1": SharedChecks("join_checks.py", worlds=[2, 3, 4]),
+           "2": SharedChecks("join_checks.py", worlds=[4], local_size="2")}
 
 
 @pytest.mark.parametrize("n,local_size", [(2, ""), (3, ""), (4, ""), (2, "1"), (3, "1"),
                                           (4, "1"), (4, "2")])
 def test_join_with_uneven_data(n, local_size):
-    if local_size == "1":  # single-rank nodes: the launch shared with other checks
-        out = run_checks(n, "join_checks.py", timeout=600)
-    else:  # "": the machine is one node
-        out = run_mpi(n, "join_checks.py", env={"HVD_SGP_LOCAL_SIZE": local_size},
-                      timeout=600).stdout
+    out = LAYOUTS[local_size].run(n, timeout=600)
     assert f"all join checks passed on {n} ranks" in out
     print(out)

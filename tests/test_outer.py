@@ -23,14 +23,20 @@ from hvd_sgp.common.topology import ExponentialGraph
 from hvd_sgp.runner import launch
 from hvd_sgp.sim import SimNetwork
 from hvd_sgp.sim.network import Mailbox, SimTransport
-from mpi_launch import run_checks, run_mpi
+from mpi_launch import SharedChecks, run_mpi
 from test_properties import graphs
 
 SPECS = ["diloco", "nesterov:0.5:0.8", "heavyball:1:0.5", "sgd:0.7", "sgd:1"]
 
 
+CHECKS = SharedChecks("outer_checks.py", worlds=[4])
+TWO_RANK_NODES = SharedChecks("outer_checks.py", "check_diloco_over_allreduce",
+                              "check_diloco_over_gossip", "check_outer_state_resumes_exactly",
+                              worlds=[4], local_size="2")
+
+
 def test_outer_checks_on_four_ranks():
-    out = run_checks(4, "outer_checks.py")
+    out = CHECKS.run(4)
     print(out)
     assert "all outer checks passed on 4 ranks" in out
 
@@ -38,9 +44,7 @@ def test_outer_checks_on_four_ranks():
 def test_two_rank_nodes():
     """HVD_SGP_LOCAL_SIZE=2: each local rank gossips its shard, and every local rank takes
     the node's outer step alike."""
-    out = run_mpi(4, "outer_checks.py", "check_diloco_over_allreduce",
-                  "check_diloco_over_gossip", "check_outer_state_resumes_exactly",
-                  env={"HVD_SGP_LOCAL_SIZE": "2"}, timeout=900).stdout
+    out = TWO_RANK_NODES.run(4)
     assert "all outer checks passed on 4 ranks" in out
 
 

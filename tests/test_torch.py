@@ -3,12 +3,21 @@ import re
 
 import pytest
 
-from mpi_launch import run_checks, run_mpi
+from mpi_launch import SharedChecks, run_mpi
+
+
+TORCH = SharedChecks("torch_checks.py", worlds=[1, 2, 3, 4])
+# HVD_SGP_LOCAL_SIZE=2 on 4 ranks: two nodes of two ranks, each rank carrying half
+TWO_RANK_NODES = SharedChecks(
+    "torch_checks.py", "check_complete_equals_allreduce", "check_state_dict_and_consensus",
+    "check_regression", "check_placements", "check_node_groups_in_a_user_world",
+    "check_mixed_precision", "check_sparse_gradients", "check_process_set_optimizer",
+    "check_zero_grad_keeps_views_same_trajectory", worlds=[4], local_size="2")
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 def test_torch_checks(n):
-    out = run_checks(n, "torch_checks.py", timeout=600)
+    out = TORCH.run(n, timeout=600)
     assert f"all torch checks passed on {n} ranks" in out
     if n in (2, 4, 8):
         assert "exact average in log2(n)" in out
@@ -18,12 +27,7 @@ def test_two_rank_nodes_average_inside_and_gossip_across():
     """HVD_SGP_LOCAL_SIZE=2 on 4 ranks: two nodes of two ranks, each rank carrying half (the
     zero_grad check here covers the in-node exact average; test_torch_checks, single-rank
     nodes)."""
-    out = run_mpi(4, "torch_checks.py", "check_complete_equals_allreduce",
-                  "check_state_dict_and_consensus", "check_regression", "check_placements",
-                  "check_node_groups_in_a_user_world", "check_mixed_precision",
-                  "check_sparse_gradients", "check_process_set_optimizer",
-                  "check_zero_grad_keeps_views_same_trajectory",
-                  env={"HVD_SGP_LOCAL_SIZE": "2"}).stdout
+    out = TWO_RANK_NODES.run(4)
     assert "all torch checks passed on 4 ranks" in out
     assert "ok zero_grad keeps the gradient views" in out
 

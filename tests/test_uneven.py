@@ -10,11 +10,17 @@ import pytest
 from hvd_sgp.common import options
 from hvd_sgp.common.errors import OptionError
 from hvd_sgp.runner import launch
-from mpi_launch import run_checks, run_mpi
+from mpi_launch import SharedChecks
+
+
+CHECKS = SharedChecks("uneven_checks.py", worlds=[4])
+TWO_RANK_NODES = SharedChecks("uneven_checks.py",
+                              "check_every_exchange_ends_at_the_sample_weighted_optimum",
+                              "check_equal_samples_change_nothing", worlds=[4], local_size="2")
 
 
 def test_uneven_checks_on_four_ranks():
-    out = run_checks(4, "uneven_checks.py")
+    out = CHECKS.run(4)
     print(out)
     assert "all uneven checks passed on 4 ranks" in out
 
@@ -22,10 +28,7 @@ def test_uneven_checks_on_four_ranks():
 def test_two_rank_nodes():
     """HVD_SGP_LOCAL_SIZE=2: ranks of one node weigh their gradients inside the node's exact
     sum, and the nodes (3 and 9 samples) weigh their updates across."""
-    out = run_mpi(4, "uneven_checks.py",
-                  "check_every_exchange_ends_at_the_sample_weighted_optimum",
-                  "check_equal_samples_change_nothing", env={"HVD_SGP_LOCAL_SIZE": "2"},
-                  timeout=900).stdout
+    out = TWO_RANK_NODES.run(4)
     print(out)
     assert "all uneven checks passed on 4 ranks" in out
 
