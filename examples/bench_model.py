@@ -84,12 +84,8 @@ def synthetic_batch(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def digits_split(seed: int = 0):
     """scikit-learn's digits, scaled to [0, 1]: (x_train, y_train, x_test, y_test)."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-    digits = load_digits()
-    x = torch.tensor(digits.data / 16.0, dtype=torch.float32)
-    y = torch.tensor(digits.target, dtype=torch.long)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25, random_state=seed)
+    import digits_data
+    x_train, x_test, y_train, y_test = map(torch.from_numpy, digits_data.split(0.25, seed=seed))
     return x_train, y_train, x_test, y_test
 
 

@@ -16,9 +16,8 @@ import time
 
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
+import digits_data  # scikit-learn's digits, split once and cached
 import hvd_sgp.torch as hvd  # was: import horovod.torch as hvd
 
 parser = argparse.ArgumentParser(description="elastic digits")
@@ -38,10 +37,7 @@ torch.manual_seed(args.seed)
 torch.set_num_threads(1)
 launch_rank = hvd.rank()
 
-digits = load_digits()
-x = torch.tensor(digits.data / 16.0, dtype=torch.float32)
-y = torch.tensor(digits.target, dtype=torch.long)
-x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25, random_state=0)
+x_train, x_test, y_train, y_test = map(torch.from_numpy, digits_data.split(0.25, seed=0))
 train_set = torch.utils.data.TensorDataset(x_train, y_train)
 sampler = hvd.elastic.ElasticSampler(train_set, seed=args.seed)
 loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)

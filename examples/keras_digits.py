@@ -10,18 +10,14 @@ import argparse
 import os
 
 import tensorflow as tf
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
+import digits_data  # scikit-learn's digits, split once and cached
 import hvd_sgp.tensorflow.keras as hvd  # was: import horovod.tensorflow.keras as hvd
 
 
 def load_data(rank: int, size: int):
     """The train split sharded by rank; every rank keeps the whole test split."""
-    digits = load_digits()
-    x = (digits.data / 16.0).astype("float32")
-    x_train, x_test, y_train, y_test = train_test_split(x, digits.target, test_size=0.25,
-                                                        random_state=0, stratify=digits.target)
+    x_train, x_test, y_train, y_test = digits_data.split(0.25, seed=0, stratify=True)
     return x_train[rank::size], y_train[rank::size], x_test, y_test
 
 

@@ -9,11 +9,10 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
+import digits_data  # scikit-learn's digits, split once and cached
 import hvd_sgp.torch as hvd  # was: import horovod.torch as hvd
 
 parser = argparse.ArgumentParser(description="PyTorch digits example")
@@ -33,10 +32,7 @@ if torch.cuda.is_available():
     torch.cuda.set_device(hvd.local_rank())
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-digits = load_digits()
-x = torch.tensor(digits.data / 16.0, dtype=torch.float32)
-y = torch.tensor(digits.target, dtype=torch.long)
-x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25, random_state=0)
+x_train, x_test, y_train, y_test = map(torch.from_numpy, digits_data.split(0.25, seed=0))
 train_set = TensorDataset(x_train, y_train)
 sampler = DistributedSampler(train_set, num_replicas=hvd.size(), rank=hvd.rank(), seed=args.seed)
 loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)

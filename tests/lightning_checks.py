@@ -2,18 +2,20 @@
 argv: fit|resume DIR MODE (sgp or allreduce)."""
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch.utils.data import DataLoader, TensorDataset
 
 import hvd_sgp.torch as hvd
 from hvd_sgp.lightning import SGPStrategy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+import digits_data  # noqa: E402
 
 phase, directory, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 EPOCHS = {"fit": 3, "resume": 5}[phase]
@@ -71,10 +73,7 @@ class Watch(Callback):
 
 
 def loaders():
-    digits = load_digits()
-    x = torch.tensor(digits.data / 16.0, dtype=torch.float32)
-    y = torch.tensor(digits.target, dtype=torch.long)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25, random_state=0)
+    x_train, x_test, y_train, y_test = map(torch.from_numpy, digits_data.split(0.25, seed=0))
     return (DataLoader(TensorDataset(x_train, y_train), batch_size=16, shuffle=True),
             DataLoader(TensorDataset(x_test, y_test), batch_size=64))
 
