@@ -298,6 +298,7 @@ def check_keras():
     from hvd_sgp.common.topology import exponential_offsets
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
     rng = np.random.default_rng(me)
     x = rng.normal(size=(256, 4)).astype(np.float32)
     y = x @ np.array([[1.0], [-2.0], [0.5], [3.0]], np.float32)

@@ -9,6 +9,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+# one thread each, as the other TensorFlow checks set it: scripts sharing a launch
+# (mpi_launch.SharedChecks) must agree, TensorFlow fixes them at its first op
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_inter_op_parallelism_threads(1)
+
 import hvd_sgp.tensorflow as hvd  # noqa: E402
 import hvd_sgp.tensorflow.keras as hvdk  # noqa: E402
 

@@ -50,43 +50,48 @@ def run_mpi(n: int, script: str, *args: str, env: dict | None = None, timeout: f
 
 
 # Check scripts that share launches: a rank's start-up (Python, torch, torch's first optimizer
-# importing torch._dynamo) costs about 2.5 s of CPU, paid once per launch. The scripts declared
-# (at import, so before any test runs) for the same world size and layout run one after another
-# in one launch; the first test to ask runs it, so pytest's durations charge it all to that test.
-_SHARING: dict[tuple[int, str], list[str]] = {}  # (ranks, HVD_SGP_LOCAL_SIZE) -> members
-_SHARED: dict[tuple[int, str], tuple[dict[str, list[str]], str, str]] = {}
+# importing torch._dynamo) costs about 2.5 s of CPU, paid once per launch, and TensorFlow's
+# import 2.7 s more. The scripts declared (at import, so before any test runs) for the same world
+# size and environment (layout, Keras) run one after another in one launch; the first test to ask
+# runs it, so pytest's durations charge it all to that test.
+Key = tuple[int, tuple[tuple[str, str], ...]]  # (ranks, the launch's environment)
+_SHARING: dict[Key, list[str]] = {}  # -> members
+_SHARED: dict[Key, tuple[dict[str, list[str]], str, str]] = {}
 MARK = "=== world_checks "
 
 
 class SharedChecks:
     """``script args`` (a check script of tests/), launched with the others declared for the
-    same world size and layout on each of ``worlds``, and alone on other world sizes."""
+    same world size, layout and ``env`` on each of ``worlds``, and alone on other world sizes."""
 
     def __init__(self, script: str, *args: str, worlds: Iterable[int] = (),
-                 local_size: str = "1"):
-        self.script, self.args, self.local_size = script, args, local_size
+                 local_size: str = "1", env: dict | None = None):
+        self.script, self.args = script, args
+        self.env = {"HVD_SGP_LOCAL_SIZE": local_size, **(env or {})}
         self.member = " ".join((script, *args))
         self.worlds = set(worlds)
         for n in self.worlds:
-            _SHARING.setdefault((n, local_size), []).append(self.member)
+            _SHARING.setdefault(self._key(n), []).append(self.member)
+
+    def _key(self, n: int) -> Key:
+        return n, tuple(sorted(self.env.items()))
 
     def run(self, n: int, timeout: float = 900) -> str:
         """Rank 0's output of the script on n ranks. From the shared launch where it finished
         there; else from a launch of its own (where that launch ended before the script did,
         or the script failed there: then it must fail alone too, else the error names the
         scripts run before it)."""
-        env = {"HVD_SGP_LOCAL_SIZE": self.local_size}
         if n not in self.worlds:
-            return run_mpi(n, self.script, *self.args, env=env, timeout=timeout).stdout
-        key = (n, self.local_size)
+            return run_mpi(n, self.script, *self.args, env=self.env, timeout=timeout).stdout
+        key = self._key(n)
         members = _SHARING[key]
         if key not in _SHARED:
-            _SHARED[key] = _launch_together(n, members, env, timeout * len(members))
+            _SHARED[key] = _launch_together(n, members, self.env, timeout * len(members))
         sections, stdout, stderr = _SHARED[key]
         lines = sections.get(self.member, [])
         if lines and lines[-1] == f"{MARK}end {self.member}":
             return "\n".join(lines)
-        alone = run_mpi(n, self.script, *self.args, env=env, timeout=timeout).stdout
+        alone = run_mpi(n, self.script, *self.args, env=self.env, timeout=timeout).stdout
         if lines:
             before = members[:members.index(self.member)]
             raise AssertionError(f"{self.member} passed alone on {n} ranks but failed in one "

@@ -8,10 +8,11 @@ import sys
 
 import pytest
 
-from mpi_launch import REPO, SharedChecks, run_mpi
+from mpi_launch import REPO, SharedChecks
 
 
 TORCH = SharedChecks("compression_checks.py", worlds=[1, 3, 4])  # every check but Keras's
+KERAS = SharedChecks("compression_checks.py", "check_keras", worlds=[2])
 TWO_RANK_NODES = SharedChecks("compression_checks.py", "check_pure_mixing_conserves_the_average",
                               "check_compressed_training_converges",
                               "check_slowmo_and_checkpoints", worlds=[4], local_size="2")
@@ -34,7 +35,7 @@ def test_two_rank_nodes_carry_compressed_shards():
 
 def test_keras():
     pytest.importorskip("tensorflow")
-    out = run_mpi(2, "compression_checks.py", "check_keras", timeout=600).stdout
+    out = KERAS.run(2, timeout=600)
     assert "Keras fit trains with top-k" in out and "all compression checks passed" in out
 
 

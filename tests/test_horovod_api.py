@@ -10,6 +10,7 @@ from mpi_launch import REPO, SharedChecks, run_mpi
 
 
 CHECKS = SharedChecks("horovod_api_checks.py", worlds=[1, 2, 3, 4])
+TF_CHECKS = SharedChecks("horovod_api_tf_checks.py", worlds=[2])
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
@@ -43,7 +44,7 @@ def test_stall_warning_can_be_disabled():
 
 
 def test_tensorflow_collectives():
-    out = run_mpi(2, "horovod_api_tf_checks.py", timeout=600).stdout
+    out = TF_CHECKS.run(2, timeout=600)
     assert "all horovod api tf checks passed on 2 ranks" in out
 
 

@@ -23,13 +23,16 @@ from hvd_sgp.common.topology import ExponentialGraph
 from hvd_sgp.runner import launch
 from hvd_sgp.sim import SimNetwork
 from hvd_sgp.sim.network import Mailbox, SimTransport
-from mpi_launch import SharedChecks, run_mpi
+from mpi_launch import SharedChecks
 from test_properties import graphs
 
 SPECS = ["diloco", "nesterov:0.5:0.8", "heavyball:1:0.5", "sgd:0.7", "sgd:1"]
 
 
 CHECKS = SharedChecks("outer_checks.py", worlds=[4])
+KERAS = {legacy: SharedChecks("keras_outer_checks.py", worlds=[2],
+                              env={"TF_USE_LEGACY_KERAS": "1"} if legacy == "1" else {})
+         for legacy in ("0", "1")}  # Keras 3 (TF_USE_LEGACY_KERAS unset), and tf_keras
 TWO_RANK_NODES = SharedChecks("outer_checks.py", "check_diloco_over_allreduce",
                               "check_diloco_over_gossip", "check_outer_state_resumes_exactly",
                               worlds=[4], local_size="2")
@@ -54,8 +57,7 @@ def test_keras_outer_optimizer(legacy):
     pytest.importorskip("tensorflow")
     if legacy == "1":
         pytest.importorskip("tf_keras")
-    out = run_mpi(2, "keras_outer_checks.py", env={"TF_USE_LEGACY_KERAS": legacy},
-                  timeout=600).stdout
+    out = KERAS[legacy].run(2, timeout=600)
     print(out)
     assert "all keras outer checks passed on 2 ranks" in out
     assert ("tf_keras SGD" if legacy == "1" else "keras SGD") in out

@@ -34,14 +34,18 @@ LAYOUTS = {"own-nodes": ("1", 2), "one-node": ("", 2), "two-rank-nodes": ("2", 4
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_horovod_rank0_checkpoint_recipe(tmp_path, layout):
     """Launch 1 saves rank 0's checkpoint in every mode; launch 2 resumes from it with
-    Horovod's recipe; a third launch rebuilds optimizers mid-run, reads plain torch
-    checkpoints and LR schedulers, and names ranks that are out of step."""
+    Horovod's recipe. The checks within one launch (rebuilt optimizers mid-run, plain torch
+    checkpoints and LR schedulers, ranks that are out of step) run in launch 1, after the
+    save."""
     local, n = LAYOUTS[layout]
     outputs = {}
-    for phase in ("save", "resume", "inline"):
-        outputs[phase] = run_mpi(n, "horovod_resume_checks.py", phase, str(tmp_path),
-                                 env={"HVD_SGP_LOCAL_SIZE": local}, timeout=600).stdout
-        assert f"all resume {phase} checks passed on {n} ranks" in outputs[phase]
+    for phases in (("save", "inline"), ("resume",)):
+        out = run_mpi(n, "world_checks.py",
+                      *(f"horovod_resume_checks.py {phase} {tmp_path}" for phase in phases),
+                      env={"HVD_SGP_LOCAL_SIZE": local}, timeout=600).stdout
+        for phase in phases:
+            assert f"all resume {phase} checks passed on {n} ranks" in out, out
+            outputs[phase] = out
     exact = outputs["resume"].count("the resumed run equals the uninterrupted one")
     assert exact == (10 if layout == "one-node" else 1), outputs["resume"]
 
@@ -54,17 +58,19 @@ def test_keras_load_model_resume(tmp_path, layout, legacy):
     with BroadcastGlobalVariablesCallback (the others build their optimizers at train begin,
     so root's saved step count reaches them before the first step). SGP's iteration resumes
     from the saved optimizer's: a schedule switching at step 12 switches there, in the second
-    epoch, as in the uninterrupted run."""
+    epoch, as in the uninterrupted run. The uninterrupted run and the first epoch share
+    the first launch (the uninterrupted one first, in fresh processes)."""
     local, n = LAYOUTS[layout]
     env = {"HVD_SGP_LOCAL_SIZE": local, "TF_USE_LEGACY_KERAS": legacy, "HVD_SGP_TIMEOUT": "120",
            "HVD_SGP_SCHEDULE": "0:sgp,12s:allreduce"}
-    for phase in ("first", "resume", "full"):
-        out = run_mpi(n, "keras_resume_checks.py", phase, str(tmp_path), env=env,
-                      timeout=600).stdout
-        assert f"all keras resume {phase} checks passed on {n} ranks" in out, out
-        if phase == "resume":
-            assert ("resume: resumed from epoch 1, trained 1 epoch(s); optimizer at step 16, "
-                    "SGP at iteration 16") in out, out
+    for phases in (("full", "first"), ("resume",)):
+        out = run_mpi(n, "world_checks.py",
+                      *(f"keras_resume_checks.py {phase} {tmp_path}" for phase in phases),
+                      env=env, timeout=600).stdout
+        for phase in phases:
+            assert f"all keras resume {phase} checks passed on {n} ranks" in out, out
+    assert ("resume: resumed from epoch 1, trained 1 epoch(s); optimizer at step 16, "
+            "SGP at iteration 16") in out, out
     full = json.loads((tmp_path / "full.json").read_text())
     resumed = json.loads((tmp_path / "resume.json").read_text())
     assert [tuple(s) for s in resumed] == [tuple(s) for s in full[8:]], (resumed, full)

@@ -11,12 +11,15 @@ import pytest
 pytest.importorskip("tensorflow")
 pytest.importorskip("sklearn")
 
-from mpi_launch import run_mpi  # noqa: E402
+from mpi_launch import SharedChecks, run_mpi  # noqa: E402
+
+KERAS_3 = SharedChecks("tensorflow_checks.py", worlds=[2])
+TF_KERAS = SharedChecks("tensorflow_checks.py", worlds=[2], env={"TF_USE_LEGACY_KERAS": "1"})
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_tensorflow_checks(n):
-    out = run_mpi(n, "tensorflow_checks.py", timeout=420).stdout
+    out = KERAS_3.run(n, timeout=420)
     print(out)
     assert f"all tf checks passed on {n} ranks" in out
     assert "FAIL" not in out
@@ -34,8 +37,7 @@ def test_sync_batch_norm_three_ranks():
 @pytest.mark.skipif(importlib.util.find_spec("tf_keras") is None,
                     reason="tf_keras is not installed (pip install hvd_sgp[legacy-keras])")
 def test_tensorflow_checks_tf_keras():
-    out = run_mpi(2, "tensorflow_checks.py", env={"TF_USE_LEGACY_KERAS": "1"},
-                  timeout=480).stdout
+    out = TF_KERAS.run(2, timeout=480)
     print(out)
     assert "all tf checks passed on 2 ranks" in out
     assert "the Keras is tf.keras's (tf_keras" in out
