@@ -22,7 +22,8 @@ def scikit_learn(seed: int, stratify: bool) -> list:
 
 
 def same(got, expected) -> bool:
-    return all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(got, expected))
+    return len(got) == len(expected) == 4 and all(
+        a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(got, expected))
 
 
 @pytest.mark.parametrize("seed, stratify", [(0, False), (0, True), (3, False)])
@@ -53,3 +54,17 @@ def test_an_unwritable_cache_still_gives_the_split(tmp_path, monkeypatch):
     (tmp_path / "hvd_sgp").write_text("a file where the cache's folder would be")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert same(digits_data.split(0.25, seed=0), scikit_learn(0, False))
+
+
+def test_the_torch_examples_get_the_tensors_they_built_before(tmp_path, monkeypatch):
+    """pytorch_digits.py, elastic_digits.py and bench_model.py built float32 tensors from
+    scikit-learn's float64 images and split the tensors: the same bits, so the same runs."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    digits = load_digits()
+    x = torch.tensor(digits.data / 16.0, dtype=torch.float32)
+    y = torch.tensor(digits.target, dtype=torch.long)
+    before = train_test_split(x, y, test_size=0.25, random_state=0)
+    for attempt in ("computed", "cached"):
+        now = list(map(torch.from_numpy, digits_data.split(0.25, seed=0)))
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(now, before)), attempt
