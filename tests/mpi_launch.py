@@ -1,6 +1,7 @@
 """Run a check script under the embedded mpirun; many checks per launch keep the suite fast."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -62,14 +63,15 @@ MARK = "=== world_checks "
 
 class SharedChecks:
     """``script args`` (a check script of tests/), launched with the others declared for the
-    same world size, layout and ``env`` on each of ``worlds``, and alone on other world sizes."""
+    same world size, layout and ``env`` on each of ``worlds``, and alone on other world sizes.
+    A script that ``needs`` a package not installed shares no launch (its test skips)."""
 
     def __init__(self, script: str, *args: str, worlds: Iterable[int] = (),
-                 local_size: str = "1", env: dict | None = None):
+                 local_size: str = "1", env: dict | None = None, needs: str | None = None):
         self.script, self.args = script, args
         self.env = {"HVD_SGP_LOCAL_SIZE": local_size, **(env or {})}
         self.member = " ".join((script, *args))
-        self.worlds = set(worlds)
+        self.worlds = set(worlds) if needs is None or importlib.util.find_spec(needs) else set()
         for n in self.worlds:
             _SHARING.setdefault(self._key(n), []).append(self.member)
 

@@ -12,7 +12,7 @@ from mpi_launch import REPO, SharedChecks
 
 
 TORCH = SharedChecks("compression_checks.py", worlds=[1, 3, 4])  # every check but Keras's
-KERAS = SharedChecks("compression_checks.py", "check_keras", worlds=[2])
+KERAS = SharedChecks("compression_checks.py", "check_keras", worlds=[2], needs="tensorflow")
 TWO_RANK_NODES = SharedChecks("compression_checks.py", "check_pure_mixing_conserves_the_average",
                               "check_compressed_training_converges",
                               "check_slowmo_and_checkpoints", worlds=[4], local_size="2")

@@ -10,7 +10,7 @@ from mpi_launch import REPO, SharedChecks, run_mpi
 
 
 CHECKS = SharedChecks("horovod_api_checks.py", worlds=[1, 2, 3, 4])
-TF_CHECKS = SharedChecks("horovod_api_tf_checks.py", worlds=[2])
+TF_CHECKS = SharedChecks("horovod_api_tf_checks.py", worlds=[2], needs="tensorflow")
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])

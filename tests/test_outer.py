@@ -30,9 +30,9 @@ SPECS = ["diloco", "nesterov:0.5:0.8", "heavyball:1:0.5", "sgd:0.7", "sgd:1"]
 
 
 CHECKS = SharedChecks("outer_checks.py", worlds=[4])
-KERAS = {legacy: SharedChecks("keras_outer_checks.py", worlds=[2],
-                              env={"TF_USE_LEGACY_KERAS": "1"} if legacy == "1" else {})
-         for legacy in ("0", "1")}  # Keras 3 (TF_USE_LEGACY_KERAS unset), and tf_keras
+KERAS = {"0": SharedChecks("keras_outer_checks.py", worlds=[2], needs="tensorflow"),  # Keras 3
+         "1": SharedChecks("keras_outer_checks.py", worlds=[2], env={"TF_USE_LEGACY_KERAS": "1"},
+                           needs="tf_keras")}
 TWO_RANK_NODES = SharedChecks("outer_checks.py", "check_diloco_over_allreduce",
                               "check_diloco_over_gossip", "check_outer_state_resumes_exactly",
                               worlds=[4], local_size="2")

@@ -14,7 +14,8 @@ pytest.importorskip("sklearn")
 from mpi_launch import SharedChecks, run_mpi  # noqa: E402
 
 KERAS_3 = SharedChecks("tensorflow_checks.py", worlds=[2])
-TF_KERAS = SharedChecks("tensorflow_checks.py", worlds=[2], env={"TF_USE_LEGACY_KERAS": "1"})
+TF_KERAS = SharedChecks("tensorflow_checks.py", worlds=[2], env={"TF_USE_LEGACY_KERAS": "1"},
+                        needs="tf_keras")
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
