@@ -17,6 +17,8 @@ from typing import Callable, Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
+import digits_data
+
 RESNET50_PARAMETERS = 25_557_032
 
 
@@ -84,7 +86,6 @@ def synthetic_batch(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def digits_split(seed: int = 0):
     """scikit-learn's digits, scaled to [0, 1]: (x_train, y_train, x_test, y_test)."""
-    import digits_data
     x_train, x_test, y_train, y_test = map(torch.from_numpy, digits_data.split(0.25, seed=seed))
     return x_train, y_train, x_test, y_test
 
