@@ -204,3 +204,18 @@ def test_a_member_that_never_finishes_is_named_after_the_deadline(monkeypatch):
     monkeypatch.setattr(faults, "DEADLINE_SECONDS", 0.2)
     with pytest.raises(PeerTimeoutError, match=r"members \[1\] did not finish"):
         run_members(ThreadGroup(2), [lambda comm: None, lambda comm: time.sleep(1.0)])
+
+
+def test_a_successor_takes_over_the_fold_scratch_that_fits():
+    """A successor engine (replacements joined) takes its predecessor's fold scratch where
+    length and dtype fit, so its start touches no fresh pages; a buffer of another size or
+    dtype gets its own, touched."""
+    buffers = [np.ones(11), np.ones(5, np.float32), np.ones(7)]
+    first = fold_scratch(buffers)
+    assert [a.shape for a in first] == [(10,), (4,), (6,)]
+    grown = [np.ones(11), np.ones(5), np.ones(9)]  # same; other dtype; other length
+    second = fold_scratch(grown, first)
+    assert second[0] is first[0]
+    assert second[1] is not first[1] and second[1].dtype == np.float64
+    assert second[2].shape == (8,) and not any(second[2] is a for a in first)
+    assert fold_scratch(buffers + [np.ones(3)], first)[3].shape == (2,)  # more buffers

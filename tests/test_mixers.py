@@ -93,3 +93,57 @@ def test_in_place_push_takes_the_copying_push_steps_exactly(graph):
     placed, none = trajectory(topology, in_place=True)
     assert copies > 0 and none == 0  # the in-place path really sent no copy
     assert np.array_equal(placed, copied), np.abs(placed - copied).max()
+
+
+def _poison(slot) -> None:
+    """Every byte of a slot's storage 0xFF (NaN in floats): a step reading what it did not
+    write this iteration shows."""
+    for array in list(slot.sends.values()) + list(slot.rows.values()):
+        array.view(np.uint8).fill(0xFF)
+
+
+@pytest.mark.parametrize("spec", ["none", "fp16", "int8", "topk:0.1", "randomk:0.25"])
+@pytest.mark.parametrize("delay", [0, 1, 2])
+def test_mixers_built_again_take_the_same_steps_on_the_storage_they_take_over(spec, delay):
+    """A repair, a restore or replacements joining build new mixers, which take over the old
+    ones' message storage (pushsum.Slot: the first exchange after one then touches no fresh
+    pages). Poisoned, that storage gives the steps that fresh storage gives, bit for bit."""
+    def run(reuse: bool):
+        net = SimNetwork("exponential", 48, n=6, delay=delay, codec=spec, seed=3)
+        rng = np.random.default_rng(1)
+        net.params[...] = rng.normal(size=net.params.shape)
+        target = rng.normal(size=net.params.shape)
+
+        def train(steps: int) -> None:
+            for _ in range(steps):
+                net.params[...] -= 0.1 * (net.params - target)
+                net.step()
+            net.drain()
+        train(5)
+        old = [mixer.slot for mixer in net.mixers]
+        assert all(slot.rows for slot in old)  # (something to take over)
+        for slot in old:
+            _poison(slot)
+        net.mixers[:] = [build(net.buffers[i], net.topology, mixer.transport, codec=spec,
+                               progress=net.progress, max_delay=delay,
+                               slot=old[i] if reuse else None)
+                         for i, mixer in enumerate(net.mixers)]
+        taken = [mixer.slot is slot for mixer, slot in zip(net.mixers, old)]
+        train(8)
+        return net.buffers.copy(), taken
+    fresh, none_taken = run(reuse=False)
+    reused, taken = run(reuse=True)
+    assert all(taken) and not any(none_taken)
+    assert np.isfinite(fresh).all()
+    assert np.array_equal(reused, fresh), np.abs(reused - fresh).max()
+
+
+def test_storage_serves_only_buffers_of_its_kind():
+    """A slot is taken over by a buffer of its kit and dtype only; another gets new storage."""
+    mailbox = Mailbox(0)
+    topology = make_topology("exponential", 4)
+    first = PushSumMixer(allocate(10), topology, SimTransport(mailbox, 0, 4))
+    same = PushSumMixer(allocate(20), topology, SimTransport(mailbox, 0, 4), slot=first.slot)
+    other = PushSumMixer(allocate(10, np.float64), topology, SimTransport(mailbox, 0, 4),
+                         slot=first.slot)
+    assert same.slot is first.slot and other.slot is not first.slot

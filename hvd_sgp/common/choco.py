@@ -48,7 +48,7 @@ import numpy as np
 from hvd_sgp.common.arrays import host_view
 from hvd_sgp.common.codecs import BLOCK, Codec, blocks
 from hvd_sgp.common.errors import SgpValueError
-from hvd_sgp.common.pushsum import Part, PushSumMixer
+from hvd_sgp.common.pushsum import Part, PushSumMixer, Slot
 from hvd_sgp.common.timing import Timing
 from hvd_sgp.common.topology import Topology
 from hvd_sgp.common.transport_protocol import Transport
@@ -74,9 +74,9 @@ of a mixer, under either timing part.
                  shard: Optional[Callable[[Any], Part]] = None, push_sum: bool = True,
                  codec: Optional[Codec] = None, track_weight: Optional[bool] = None,
                  step: Optional[float] = None, error_feedback: bool = True, *,
-                 timing: Optional[Timing] = None):
+                 timing: Optional[Timing] = None, slot: Optional[Slot] = None):
         super().__init__(host_view(buffer), topology, transport, shard, push_sum, codec,
-                         track_weight, timing=timing)
+                         track_weight, timing=timing, slot=slot)
         self.step = self.codec.consensus_step if step is None else float(step)
         if not 0 < self.step <= 1:
             raise SgpValueError(f"the consensus step must be in (0, 1], got {self.step!r}")
@@ -111,7 +111,7 @@ of a mixer, under either timing part.
 
     # --- pushing --------------------------------------------------------------------------
     def begin(self, slot=None):
-        slot = slot if slot is not None else self._slot
+        slot = slot if slot is not None else self.slot
         phase = self.topology.phase(self.iteration)
         out_peers, in_peers = phase.out_peers[self.node], phase.in_peers(self.node)
         shares = phase.out_weights[self.node]

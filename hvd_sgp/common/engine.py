@@ -62,8 +62,11 @@ class GossipEngine:
         (see Repair.retire); its iteration, epoch, timeline and repair records go on."""
         self.options = options
         self.buffers = list(buffers)
-        # the fold's copies, ready for a repair (node.fold_scratch), in fault-tolerant mode
-        self.scratch = fold_scratch(self.buffers) if recovery.enabled() else []
+        # the fold's copies, ready for a repair (node.fold_scratch), in fault-tolerant mode;
+        # a successor takes over its predecessor's, and its mixers' storage (pushsum.Slot)
+        self.scratch = (fold_scratch(self.buffers, succeeds.scratch if succeeds else ())
+                        if recovery.enabled() else [])
+        self.storage = succeeds.storage if succeeds is not None else []
         self.access = access
         layout = layout or runtime.layout()  # the world's, or a process set's
         self.codec = make_codec(codec)
@@ -190,7 +193,7 @@ class GossipEngine:
         if not gossips:
             # one SGP node: every local rank took the same step from the same averaged
             # gradients, so there is no peer to mix with and no shard to gather back
-            self.mixers = []
+            self.mixers, self.storage = [], []
             return
         if stage.mode == "dpsgd":
             topology, push_sum = BipartiteExponentialGraph(nodes, stage.peers), False
@@ -199,6 +202,8 @@ class GossipEngine:
             push_sum = self.options.push_sum
         if stage.overlap and self.progress is None:
             self.progress = Progress(self.transport)
+        buffers = self.outer.gossip_buffers(self.buffers)
+        storage = self.storage + [None] * (len(buffers) - len(self.storage))
         self.mixers = [build(buf, topology, self.transport, shard=in_node(self.local),
                              push_sum=push_sum, codec=self.codec,
                              progress=self.progress if stage.overlap else None,
@@ -207,8 +212,9 @@ class GossipEngine:
                              error_feedback=self.options.error_feedback,
                              # the buffers are written after begin_step; a delayed outer
                              # step's pieces are not, so their pushes copy and never block
-                             in_place=not self.outer.delay)
-                       for buf in self.outer.gossip_buffers(self.buffers)]
+                             in_place=not self.outer.delay, slot=slot)
+                       for buf, slot in zip(buffers, storage)]
+        self.storage = [mixer.slot for mixer in self.mixers]
         self.outer.set_rounds(self.mixers, self.steps)
         if was_tracking and not self.tracks_weight:
             self._average_parameters()  # the new stage assumes weight 1: fold it in exactly

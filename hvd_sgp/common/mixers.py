@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 from hvd_sgp.common.choco import ChocoMixer
 from hvd_sgp.common.codecs import Codec, RandomKCodec, codec as make_codec
 from hvd_sgp.common.overlap import Overlap
-from hvd_sgp.common.pushsum import Part, PushSumMixer
+from hvd_sgp.common.pushsum import Part, PushSumMixer, Slot
 from hvd_sgp.common.sparse import SparseMixer
 from hvd_sgp.common.timing import Synchronous
 from hvd_sgp.common.topology import Topology
@@ -36,17 +36,21 @@ def build(buffer, topology: Topology, transport: Transport, *,
           codec: "str | Codec | None" = None, progress: Optional[ProgressEngine] = None,
           max_delay: int = 1, consensus_step: Optional[float] = None,
           error_feedback: bool = True, in_place: bool = False,
-          compressed: Optional[bool] = None) -> PushSumMixer:
+          compressed: Optional[bool] = None, slot: Optional[Slot] = None) -> PushSumMixer:
     """The mixer of one buffer: Overlap SGP when a ``progress`` engine is given (``in_place``:
     its copy-free push at tau = 1, where the codec part allows it). ``compressed`` forces
     compressed PushSum (True) or naive pushes of the encoding (False, the drift it causes)
-    instead of the codec's own choice (None)."""
+    instead of the codec's own choice (None). ``slot``: the storage of the mixer this one
+    succeeds (a repair's, a restore's), reused where it fits."""
     codec = make_codec(codec)
     timing = (Synchronous() if progress is None
               else Overlap(progress, max_delay=max_delay, in_place=in_place))
     if compressed is None and isinstance(codec, RandomKCodec):
-        return SparseMixer(buffer, topology, transport, shard, push_sum, codec, timing=timing)
+        return SparseMixer(buffer, topology, transport, shard, push_sum, codec, timing=timing,
+                           slot=slot)
     if codec.differential if compressed is None else compressed:
         return ChocoMixer(buffer, topology, transport, shard, push_sum, codec,
-                          step=consensus_step, error_feedback=error_feedback, timing=timing)
-    return PushSumMixer(buffer, topology, transport, shard, push_sum, codec, timing=timing)
+                          step=consensus_step, error_feedback=error_feedback, timing=timing,
+                          slot=slot)
+    return PushSumMixer(buffer, topology, transport, shard, push_sum, codec, timing=timing,
+                        slot=slot)

@@ -129,13 +129,18 @@ def exact_average(buffer, cross: MPI.Comm, local: Optional[MPI.Comm],
     part.gather()
 
 
-def fold_scratch(buffers: Sequence) -> list:
+def fold_scratch(buffers: Sequence, previous: Sequence = ()) -> list:
     """One host array per host buffer for ``exact_average``'s copy (None for a device's
     buffer, whose allocator keeps its memory), its pages touched now: a repair's fold then
     writes memory it already has. One more copy of the model in host memory, kept for
-    fault-tolerant mode, where the fold is on the way back from every lost rank."""
-    return [_touched(len(buf) - 1, buf.dtype) if isinstance(buf, np.ndarray) else None
-            for buf in buffers]
+    fault-tolerant mode, where the fold is on the way back from every lost rank. An array of
+    ``previous`` (a retired engine's) is taken over where it fits: touching a model's size of
+    fresh pages on every survivor at once is most of a successor's start."""
+    previous = list(previous) + [None] * (len(buffers) - len(previous))
+    return [None if not isinstance(buf, np.ndarray) else
+            old if (old is not None and old.shape == (len(buf) - 1,) and old.dtype == buf.dtype)
+            else _touched(len(buf) - 1, buf.dtype)
+            for buf, old in zip(buffers, previous)]
 
 
 def _touched(size: int, dtype: Any) -> np.ndarray:

@@ -56,6 +56,7 @@ class Overlap(Timing):
     def attach(self, mixer: PushSumMixer) -> None:
         super().attach(mixer)
         self.in_place = self.in_place and mixer.reads_in_place()
+        self._free.append(mixer.slot)  # the ring starts with the mixer's own storage
 
     def mix(self) -> None:
         mixer = self.mixer

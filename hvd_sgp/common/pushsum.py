@@ -71,23 +71,39 @@ class WholeBuffer:
 class Slot:
     """Message storage of one iteration: send copies and receive rows, allocated on first use
     and reused by later iterations (the synchronous mixer keeps one; Overlap SGP a ring of
-    them), so a step allocates nothing."""
+    them), so a step allocates nothing. It outlives its mixer: the mixers built after a
+    repair, a restore or replacements joining take it over (``serves``), so the first
+    exchange after one writes memory it already has (fresh pages cost a model's size in page
+    faults on every rank at once)."""
 
     def __init__(self, kit, like):
         self.kit, self.like = kit, like
-        self.sends: dict[int, object] = {}
-        self.rows = None
+        self.sends: dict[tuple, object] = {}  # by (index, wire)
+        self.rows: dict[bool, object] = {}  # by wire
+
+    def serves(self, kit, like) -> bool:
+        """Whether this storage holds messages of buffer ``like`` (its kit, dtype, device)."""
+        return (kit is self.kit and like.dtype == self.like.dtype
+                and getattr(like, "device", None) == getattr(self.like, "device", None))
 
     def send(self, index: int, size: int, wire: bool):
-        out = self.sends.get(index)
+        out = self.sends.get((index, wire))
         if out is None or len(out) != size:
-            out = self.sends[index] = self.kit.empty(self.like, (size,), wire)
+            out = self.sends[index, wire] = self.kit.empty(self.like, (size,), wire)
         return out
 
     def receive(self, rows: int, size: int, wire: bool):
-        if self.rows is None or tuple(self.rows.shape) != (rows, size):
-            self.rows = self.kit.empty(self.like, (rows, size), wire)
-        return self.rows
+        out = self.rows.get(wire)
+        if out is None or tuple(out.shape) != (rows, size):
+            out = self.rows[wire] = self.kit.empty(self.like, (rows, size), wire)
+        return out
+
+
+def storage(kit, buffer, previous: Optional[Slot]) -> Slot:
+    """``previous`` where it serves ``buffer`` (its last user is gone), else a new Slot."""
+    if previous is not None and previous.serves(kit, buffer):
+        return previous
+    return Slot(kit, buffer)
 
 
 class Audit:
@@ -112,7 +128,8 @@ class PushSumMixer:
     ``track_weight`` forces the weight on (or off) instead of deciding from the graph and the
     timing (messages summed in late move it: Overlap SGP always tracks it). ``shard`` cuts the
     buffer into this rank's ``Part`` (node.in_node(local) in a node of several ranks; None:
-    the whole buffer).
+    the whole buffer). ``slot``: message storage left by the mixer this one succeeds, taken
+    over where it serves this buffer (see Slot).
     """
 
     ordered = False  # whether a peer's messages must be summed in in the order sent
@@ -120,7 +137,7 @@ class PushSumMixer:
     def __init__(self, buffer, topology: Topology, transport: Transport,
                  shard: Optional[Callable[[Any], Part]] = None, push_sum: bool = True,
                  codec: Optional[Codec] = None, track_weight: Optional[bool] = None, *,
-                 timing: Optional[Timing] = None):
+                 timing: Optional[Timing] = None, slot: Optional[Slot] = None):
         self.kit = kit_for(buffer)
         if not self.kit.is_flat(buffer) or len(buffer) < 1:
             raise SgpValueError("the PushSum buffer must be one contiguous 1-D array of "
@@ -150,7 +167,7 @@ class PushSumMixer:
         self.audit: Optional[Audit] = None
         self._size = (self.codec.nbytes(self.width) + WEIGHT_BYTES if self._wire
                       else self.width + 1)
-        self._slot = Slot(self.kit, buffer)  # synchronous iterations reuse one
+        self.slot = storage(self.kit, buffer, slot)  # synchronous iterations reuse one
         self.timing = timing
         timing.attach(self)
 
@@ -207,7 +224,7 @@ class PushSumMixer:
         rows in the slot, and the buffer must then stay untouched until the sends complete.
         """
         copies = slot is not None and not in_place
-        slot = slot if slot is not None else self._slot
+        slot = slot if slot is not None else self.slot
         phase = self.topology.phase(self.iteration)
         out_peers, in_peers = phase.out_peers[self.node], phase.in_peers(self.node)
         shares = phase.out_weights[self.node]

@@ -45,9 +45,9 @@ class SparseMixer(PushSumMixer):
     def __init__(self, buffer, topology: Topology, transport: Transport,
                  shard: Optional[Callable[[Any], Part]] = None, push_sum: bool = True,
                  codec: Optional[Codec] = None, weighted: Optional[bool] = None, *,
-                 timing: Optional[Timing] = None):
+                 timing: Optional[Timing] = None, slot: Optional[Slot] = None):
         super().__init__(host_view(buffer), topology, transport, shard, push_sum, codec,
-                         timing=timing)
+                         timing=timing, slot=slot)
         if not isinstance(self.codec, RandomKCodec):
             raise SgpValueError(f"random-k gossip needs the randomk codec, got {self.codec!r}")
         doubly = self.topology.doubly_stochastic
@@ -78,7 +78,7 @@ class SparseMixer(PushSumMixer):
         """Push this node's values at the iteration's drawn entries, with each run's weight
         share; keep the rest of the weight (nothing else changes until messages arrive)."""
         began = time.perf_counter()
-        slot = slot if slot is not None else self._slot
+        slot = slot if slot is not None else self.slot
         phase = self.topology.phase(self.iteration)
         out_peers, in_peers = phase.out_peers[self.node], phase.in_peers(self.node)
         shard = self.buffer[self.start:self.stop]
