@@ -31,15 +31,19 @@ LAUNCH_FLAGS = (("OMPI_MCA_mpi_ft_enable", "--with-ft ulfm"),
                 ("OMPI_MCA_mpi_ft_detector", "--mca mpi_ft_detector true"))
 _TRUE = ("1", "true", "yes", "on")
 HEARTBEAT_SECONDS = 0.1  # how often the thread makes MPI progress
+# MPI_Finalize once every rank has met at exit: 0.06-0.2 s on this host (2 ranks after 6
+# repairs), or never after some repairs (below); past this it is the latter.
+FINALIZE_SECONDS = 5
 status = recovery.status
 
 
 def configure(world_revoked: Callable[[], bool], revoke_all: Callable[[], None],
-              origin: int, peers: Callable[[], list]) -> None:
+              origin: int, peers: Callable[[], list],
+              world: Callable[[], Optional[MPI.Comm]]) -> None:
     """At init: read HVD_SGP_FAULT_TOLERANT, check that MPI can do it, start the thread.
     ``revoke_all`` revokes every hvd_sgp communicator; ``origin`` names this rank for good;
-    ``peers`` gives (origin, process) of every rank of the world as it stands (the runtime's,
-    handed in: recovery imports no runtime)."""
+    ``peers`` gives (origin, process) of every rank of the world as it stands, ``world`` its
+    communicator (the runtime's, handed in: recovery imports no runtime)."""
     status.revoke_all, status.origin = revoke_all, origin
     status.repair_seconds = repair_seconds()
     status.enabled = bool(options.from_environment("fault_tolerant"))
@@ -52,7 +56,7 @@ def configure(world_revoked: Callable[[], bool], revoke_all: Callable[[], None],
         status.watchdog = threading.Thread(target=_watch, args=(world_revoked, peers),
                                            name="hvd_sgp-watchdog", daemon=True)
         status.watchdog.start()
-        atexit.register(_finalize)
+        atexit.register(_finalize, world)
     atexit.register(fault_record.write, "finished", origin)  # (atexit runs it first)
 
 
@@ -123,26 +127,50 @@ def _revoked_under_spawn(world_revoked: Callable[[], bool]) -> bool:
         return False
 
 
-def _finalize() -> None:
+def _finalize(world: Callable[[], Optional[MPI.Comm]]) -> None:
     """At exit: stop the thread, then finalize MPI at once. Its heartbeats must go on until
     MPI_Finalize, whose own progress takes them over (a rank silent for the detector's
     timeout while Python tears down would be declared dead), and must not race it.
 
     After a repair, Open MPI 5.0's MPI_Finalize sometimes never returns (holding the GIL, so
-    no Python thread can act), and it never returns while the head process (mpirun/prterun)
-    is frozen or unreachable (its PMIx fence waits for it): training is over and this rank's
-    record says so, so an alarm set with the default action ends the process past a
-    deadline (a death by signal, which the runtime does not count as an error in
-    fault-tolerant mode)."""
+    no Python thread can act; 2 runs in 6 of an 8-rank test with 6 repairs), and it never
+    returns while the head process (mpirun/prterun) is frozen or unreachable (its PMIx fence
+    waits for it): training is over and this rank's record says so, so an alarm set with
+    the default action ends the process past a deadline (a death by signal, which the
+    runtime does not count as an error in fault-tolerant mode). The ranks first meet at exit
+    (``_meet``): from there a finalize that works takes a fraction of a second, so the
+    alarm is FINALIZE_SECONDS; without the meeting (a peer lost at exit, or still busy after
+    HVD_SGP_TIMEOUT) it is the detector's timeout + 10 s, as a finalize may then still wait
+    for a peer's."""
     status.stop.set()
     if status.watchdog is not None:
         status.watchdog.join(timeout=5)
     if not MPI.Is_initialized() or MPI.Is_finalized():
         return
     if status.enabled:
+        met = _meet(world(), status.timeout)
         sys.stdout.flush()
         sys.stderr.flush()
         signal.signal(signal.SIGALRM, signal.SIG_DFL)
-        signal.alarm(int(float(options.from_environment("detector_timeout"))) + 10)
+        signal.alarm(FINALIZE_SECONDS if met else
+                     int(float(options.from_environment("detector_timeout"))) + 10)
     MPI.Finalize()
     signal.alarm(0)
+
+
+def _meet(comm: Optional[MPI.Comm], seconds: float) -> bool:
+    """Wait until every rank of the world has reached its exit (a barrier, tested until
+    ``seconds`` pass: the waits make the detector's heartbeats go on). False where a peer was
+    lost (a failed or revoked world) or the time ran out."""
+    if comm is None or comm == MPI.COMM_NULL:
+        return False
+    deadline = time.monotonic() + seconds
+    try:
+        request = comm.Ibarrier()
+        while not request.Test():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+    except MPI.Exception:
+        return False
+    return True

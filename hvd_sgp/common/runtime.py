@@ -97,7 +97,7 @@ def init(comm: Optional[MPI.Comm] = None) -> None:
             world.discovered = discovered
             world.allocated = {name for name, _ in discovered}
     place.install(world)
-    fault_mode.configure(_world_revoked, _revoke_all, world.origin, _peers)
+    fault_mode.configure(_world_revoked, _revoke_all, world.origin, _peers, _world_comm)
     watchdog.start(world.world, world.origins, float(options.from_environment("timeout")),
                    world.thread_level >= MPI.THREAD_MULTIPLE)
     _abort_on_uncaught_errors()
@@ -218,6 +218,11 @@ def _world_revoked() -> bool:
 def _peers() -> list:
     world = place.current()
     return [] if world is None else world.peers()
+
+
+def _world_comm() -> Optional[MPI.Comm]:
+    world = place.current()
+    return None if world is None else world.world
 
 
 def repair(realign: bool = True) -> WorldChange:
