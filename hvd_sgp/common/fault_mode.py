@@ -128,12 +128,14 @@ def _revoked_under_spawn(world_revoked: Callable[[], bool]) -> bool:
 
 
 def _finalize(world: Callable[[], Optional[MPI.Comm]]) -> None:
-    """At exit: stop the thread, then finalize MPI at once. Its heartbeats must go on until
-    MPI_Finalize, whose own progress takes them over (a rank silent for the detector's
-    timeout while Python tears down would be declared dead), and must not race it.
+    """At exit: meet the other ranks (``_meet``), stop the thread, then finalize MPI at once.
+    The thread's heartbeats must go on until MPI_Finalize, whose own progress takes them over
+    (a rank silent for the detector's timeout while Python tears down would be declared
+    dead), and must not race it; during the meeting it also still kills a stopped peer (a
+    frozen replacement, which ULFM does not report, would hold the meeting otherwise).
 
     After a repair, Open MPI 5.0's MPI_Finalize sometimes never returns (holding the GIL, so
-    no Python thread can act; 2 runs in 6 of an 8-rank test with 6 repairs), and it never
+    no Python thread can act; 5 runs in 16 of an 8-rank test with 6 repairs), and it never
     returns while the head process (mpirun/prterun) is frozen or unreachable (its PMIx fence
     waits for it): training is over and this rank's record says so, so an alarm set with
     the default action ends the process past a deadline (a death by signal, which the
@@ -142,13 +144,14 @@ def _finalize(world: Callable[[], Optional[MPI.Comm]]) -> None:
     alarm is FINALIZE_SECONDS; without the meeting (a peer lost at exit, or still busy after
     HVD_SGP_TIMEOUT) it is the detector's timeout + 10 s, as a finalize may then still wait
     for a peer's."""
+    running = MPI.Is_initialized() and not MPI.Is_finalized()
+    met = running and status.enabled and _meet(world(), status.timeout)
     status.stop.set()
     if status.watchdog is not None:
         status.watchdog.join(timeout=5)
-    if not MPI.Is_initialized() or MPI.Is_finalized():
+    if not running:
         return
     if status.enabled:
-        met = _meet(world(), status.timeout)
         sys.stdout.flush()
         sys.stderr.flush()
         signal.signal(signal.SIGALRM, signal.SIG_DFL)
