@@ -23,6 +23,7 @@ import atexit
 import inspect
 import sys
 import weakref
+from itertools import chain, repeat
 from typing import Callable, Optional, Sequence, TypeVar
 
 import numpy as np
@@ -202,8 +203,6 @@ class GossipEngine:
             push_sum = self.options.push_sum
         if stage.overlap and self.progress is None:
             self.progress = Progress(self.transport)
-        buffers = self.outer.gossip_buffers(self.buffers)
-        storage = self.storage + [None] * (len(buffers) - len(self.storage))
         self.mixers = [build(buf, topology, self.transport, shard=in_node(self.local),
                              push_sum=push_sum, codec=self.codec,
                              progress=self.progress if stage.overlap else None,
@@ -213,7 +212,8 @@ class GossipEngine:
                              # the buffers are written after begin_step; a delayed outer
                              # step's pieces are not, so their pushes copy and never block
                              in_place=not self.outer.delay, slot=slot)
-                       for buf, slot in zip(buffers, storage)]
+                       for buf, slot in zip(self.outer.gossip_buffers(self.buffers),
+                                            chain(self.storage, repeat(None)))]
         self.storage = [mixer.slot for mixer in self.mixers]
         self.outer.set_rounds(self.mixers, self.steps)
         if was_tracking and not self.tracks_weight:

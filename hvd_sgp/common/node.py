@@ -7,6 +7,7 @@ SGP gossips between nodes; inside a node everything is exact.
 """
 from __future__ import annotations
 
+from itertools import chain, repeat
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -136,11 +137,10 @@ def fold_scratch(buffers: Sequence, previous: Sequence = ()) -> list:
     fault-tolerant mode, where the fold is on the way back from every lost rank. An array of
     ``previous`` (a retired engine's) is taken over where it fits: touching a model's size of
     fresh pages on every survivor at once is most of a successor's start."""
-    previous = list(previous) + [None] * (len(buffers) - len(previous))
     return [None if not isinstance(buf, np.ndarray) else
             old if (old is not None and old.shape == (len(buf) - 1,) and old.dtype == buf.dtype)
             else _touched(len(buf) - 1, buf.dtype)
-            for buf, old in zip(buffers, previous)]
+            for buf, old in zip(buffers, chain(previous, repeat(None)))]
 
 
 def _touched(size: int, dtype: Any) -> np.ndarray:

@@ -99,13 +99,6 @@ class Slot:
         return out
 
 
-def storage(kit, buffer, previous: Optional[Slot]) -> Slot:
-    """``previous`` where it serves ``buffer`` (its last user is gone), else a new Slot."""
-    if previous is not None and previous.serves(kit, buffer):
-        return previous
-    return Slot(kit, buffer)
-
-
 class Audit:
     """Mass ledger for tests: what this node pushed and what it summed in, as (numerators,
     weight). Summed over nodes, sent - received is the mass in flight."""
@@ -167,7 +160,9 @@ class PushSumMixer:
         self.audit: Optional[Audit] = None
         self._size = (self.codec.nbytes(self.width) + WEIGHT_BYTES if self._wire
                       else self.width + 1)
-        self.slot = storage(self.kit, buffer, slot)  # synchronous iterations reuse one
+        # synchronous iterations reuse one; a predecessor's where it serves this buffer
+        self.slot = (slot if slot is not None and slot.serves(self.kit, buffer)
+                     else Slot(self.kit, buffer))
         self.timing = timing
         timing.attach(self)
 
