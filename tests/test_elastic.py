@@ -15,6 +15,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -583,6 +584,39 @@ def test_fault_records_of_a_planned_leave(tmp_path, capsys):
     assert launch.fault_tolerant_status(1, str(tmp_path), 4) == 0
     assert "rank(s) [3] left when the discovery script removed their hosts" in (
         capsys.readouterr().err)
+
+
+def test_the_head_is_given_the_exit_alarms_the_ranks_recorded(tmp_path, capsys):
+    """sgprun's bound on the head (mpirun) once every rank has ended: none before; the
+    longest exit alarm the ranks recorded, lost ranks aside, plus the head's own exit; the
+    longest alarm there can be while a rank that ended has not recorded its own. A head that
+    outlives it (a process that never exits, here) is killed, the bound counted from the
+    last change of the records."""
+    env = {fault_record.VARIABLE: str(tmp_path)}
+    for rank in range(3):
+        fault_record.write("started", rank, env)
+    detector, head = 4.0, launch.HEAD_EXIT_SECONDS
+    assert launch.head_grace(str(tmp_path), 3, detector) is None
+    fault_record.write("failed", 2, env)
+    fault_record.write("finished", 1, env)
+    fault_record.write("lost 2", 1, env)
+    assert launch.head_grace(str(tmp_path), 3, detector) is None  # rank 0 has not ended
+    fault_record.write("finished", 0, env)
+    assert launch.head_grace(str(tmp_path), 3, detector) == detector + 10 + head
+    fault_record.write("finalizing 5", 0, env)
+    assert launch.head_grace(str(tmp_path), 3, detector) == detector + 10 + head
+    fault_record.write(f"finalizing {fault_record.exit_alarm(True, detector)}", 1, env)
+    assert launch.head_grace(str(tmp_path), 3, detector) == 5 + head  # rank 2 was lost
+
+    answers = iter([None, None, 9.0] + [0.5] * 100)
+    frozen = subprocess.Popen(["sleep", "60"])
+    began = time.monotonic()
+    status = launch._wait_for_head(frozen, lambda: next(answers), poll=0.1)
+    waited = time.monotonic() - began
+    assert status == -9 and 0.7 < waited < 2.0, (status, waited)  # 0.5 s after the change
+    assert "has not exited 0 s later (frozen or hung): killed" in capsys.readouterr().err
+    healthy = subprocess.Popen(["sleep", "0.3"])
+    assert launch._wait_for_head(healthy, lambda: 5.0, poll=0.1) == 0
 
 
 def test_discovery_script_output_and_errors():

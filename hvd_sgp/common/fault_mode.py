@@ -31,9 +31,6 @@ LAUNCH_FLAGS = (("OMPI_MCA_mpi_ft_enable", "--with-ft ulfm"),
                 ("OMPI_MCA_mpi_ft_detector", "--mca mpi_ft_detector true"))
 _TRUE = ("1", "true", "yes", "on")
 HEARTBEAT_SECONDS = 0.1  # how often the thread makes MPI progress
-# MPI_Finalize once every rank has met at exit: 0.06-0.2 s on this host (2 ranks after 6
-# repairs), or never after some repairs (below); past this it is the latter.
-FINALIZE_SECONDS = 5
 status = recovery.status
 
 
@@ -141,22 +138,23 @@ def _finalize(world: Callable[[], Optional[MPI.Comm]]) -> None:
     the default action ends the process past a deadline (a death by signal, which the
     runtime does not count as an error in fault-tolerant mode). The ranks first meet at exit
     (``_meet``): from there a finalize that works takes a fraction of a second, so the
-    alarm is FINALIZE_SECONDS; without the meeting (a peer lost at exit, or still busy after
+    alarm is short; without the meeting (a peer lost at exit, or still busy after
     HVD_SGP_TIMEOUT) it is the detector's timeout + 10 s, as a finalize may then still wait
-    for a peer's."""
+    for a peer's. The alarm is recorded for sgprun, which then knows how long the ranks
+    may outlive their records (``fault_record.Verdict.gone_within``)."""
     running = MPI.Is_initialized() and not MPI.Is_finalized()
-    met = running and status.enabled and _meet(world(), status.timeout)
+    met = running and _meet(world(), status.timeout)
     status.stop.set()
     if status.watchdog is not None:
         status.watchdog.join(timeout=5)
     if not running:
         return
-    if status.enabled:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        signal.signal(signal.SIGALRM, signal.SIG_DFL)
-        signal.alarm(FINALIZE_SECONDS if met else
-                     int(float(options.from_environment("detector_timeout"))) + 10)
+    seconds = fault_record.exit_alarm(met, float(options.from_environment("detector_timeout")))
+    fault_record.write(f"finalizing {seconds}", status.origin)  # sgprun's bound on the head
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(seconds)
     MPI.Finalize()
     signal.alarm(0)
 

@@ -5,8 +5,9 @@ crashed worker), even though training completed. Under ``sgprun --fault-tolerant
 appends one-line events to its own file in a directory named by ``HVD_SGP_FAULT_RECORD``:
 ``started``, ``lost <ranks>`` (written by the survivors after a repair), ``joined <ranks>``
 (replacements or newcomers taken in, by their launch ranks), ``left`` (a rank whose host the
-discovery script removed, leaving by plan), ``failed`` (an uncaught exception) and ``finished``
-(normal interpreter exit). ``verdict`` reads them back.
+discovery script removed, leaving by plan), ``failed`` (an uncaught exception), ``finished``
+(normal interpreter exit) and ``finalizing <seconds>`` (MPI_Finalize begins, the process
+ending within those seconds at the latest: its exit alarm). ``verdict`` reads them back.
 No MPI here: the launcher imports it.
 """
 from __future__ import annotations
@@ -16,6 +17,15 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 VARIABLE = "HVD_SGP_FAULT_RECORD"
+# MPI_Finalize once every rank has met at exit: 0.06-0.2 s on this host (2 ranks after 6
+# repairs), or never after some repairs (fault_mode._finalize); past this it is the latter.
+FINALIZE_SECONDS = 5
+
+
+def exit_alarm(met: bool, detector_timeout: float) -> int:
+    """Seconds a rank's MPI_Finalize is given before its alarm ends the process: short once
+    every rank met at exit, else the detector's timeout + 10 s (it may wait for a peer's)."""
+    return FINALIZE_SECONDS if met else int(detector_timeout) + 10
 
 
 def write(event: str, rank: int, environ: Optional[dict] = None) -> None:
@@ -41,6 +51,7 @@ class Verdict:
     lost: set = field(default_factory=set)
     joined: set = field(default_factory=set)
     left: set = field(default_factory=set)
+    finalizing: dict = field(default_factory=dict)  # rank -> seconds its exit alarm allows
 
     @property
     def completed(self) -> bool:
@@ -60,6 +71,15 @@ class Verdict:
         return (self.covers(ranks)
                 and self.started <= self.finished | self.failed | self.lost | self.left)
 
+    def gone_within(self, otherwise: float) -> float:
+        """Seconds within which the processes of ranks that ended are gone, by the exit
+        alarms they recorded (lost ranks are dead or were killed); ``otherwise`` where a rank
+        that ended has not recorded its alarm yet."""
+        ending = (self.finished | self.failed | self.left) - self.lost
+        if not ending <= set(self.finalizing):
+            return otherwise
+        return max((self.finalizing[rank] for rank in ending), default=0.0)
+
 
 def verdict(directory: str) -> Verdict:
     """Read every rank's events from ``directory``."""
@@ -73,6 +93,8 @@ def verdict(directory: str) -> Verdict:
                 event, _, rest = line.strip().partition(" ")
                 if event in ("lost", "joined"):
                     getattr(result, event).update(int(r) for r in rest.split(",") if r)
+                elif event == "finalizing":
+                    result.finalizing[rank] = float(rest)
                 elif event in ("started", "finished", "failed", "left"):
                     getattr(result, event).add(rank)
     return result

@@ -38,6 +38,7 @@ from hvd_sgp.runner.hosts import Host, parse_hosts, read_hostfile  # noqa: F401 
 FORWARD_PREFIXES = ("HVD_SGP_", "HOROVOD_", "NCCL_")
 FORWARD_NAMES = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH")
 LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
+HEAD_EXIT_SECONDS = 5  # a head whose ranks are all gone exits well within this
 
 T = TypeVar("T")
 
@@ -534,11 +535,11 @@ def _what_happened(verdict: fault_record.Verdict) -> str:
 
 
 def run(command: Sequence[str], env: Mapping[str, str],
-        ended: Optional[Callable[[], bool]] = None, grace: float = 0.0) -> int:
+        ended: Optional[Callable[[], Optional[float]]] = None) -> int:
     """Run the launcher, pass on the signals that should stop the job, and return its status.
-    With ``ended`` (--fault-tolerant: every rank's record says it ended), the wait is bounded:
-    the head process (mpirun, which is PRRTE's prterun) then has ``grace`` seconds to exit,
-    and one that does not is killed (``_wait_for_head``)."""
+    With ``ended`` (--fault-tolerant: the seconds the head process, mpirun, which is PRRTE's
+    prterun, may take to exit once every rank's record says it ended; None before), the wait
+    is bounded: a head that outlives them is killed (``_wait_for_head``)."""
     process = subprocess.Popen(list(command), env=dict(env))
 
     def forward(signum: int, _frame: object) -> None:
@@ -548,28 +549,41 @@ def run(command: Sequence[str], env: Mapping[str, str],
     previous = {signum: signal.signal(signum, forward) for signum in stopping}
     try:
         return exit_status(process.wait() if ended is None
-                           else _wait_for_head(process, ended, grace))
+                           else _wait_for_head(process, ended))
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 
 
-def _wait_for_head(process: subprocess.Popen, ended: Callable[[], bool], grace: float) -> int:
-    """Wait for the head, but not for one that outlives the ranks by ``grace`` seconds. A
-    frozen head (SIGSTOP, a hung node) never exits by itself: the ranks train on without it,
-    then wait in MPI_Finalize for its fence until their exit alarm ends them, and their
-    records are then all written; nothing is left for the head to do."""
-    since = None
+def head_grace(records: str, ranks: int, detector: float) -> Optional[float]:
+    """Seconds the head may take to exit once every rank has ended by its records (None
+    before): the longest exit alarm the ranks recorded (fault_mode._finalize), or the
+    longest one can be while some are not recorded, and HEAD_EXIT_SECONDS more for the head's
+    own exit."""
+    verdict = fault_record.verdict(records)
+    if not verdict.ended(ranks):
+        return None
+    return (verdict.gone_within(fault_record.exit_alarm(False, detector))
+            + HEAD_EXIT_SECONDS)
+
+
+def _wait_for_head(process: subprocess.Popen, ended: Callable[[], Optional[float]],
+                   poll: float = 1.0) -> int:
+    """Wait for the head, but not for one that outlives the ranks. A frozen head (SIGSTOP, a
+    hung node) never exits by itself: the ranks train on without it, then wait in
+    MPI_Finalize for its fence until their exit alarm ends them; nothing is left for the
+    head to do. ``ended()`` gives the seconds allowed, counted from when it last changed (the
+    ranks' alarms arrive after their ``finished`` records)."""
+    since, grace = None, None
     while True:
         try:
-            return process.wait(timeout=1.0)
+            return process.wait(timeout=poll)
         except subprocess.TimeoutExpired:
             pass
-        if not ended():
-            since = None
-            continue
-        since = time.monotonic() if since is None else since
-        if time.monotonic() - since >= grace:
+        allowed = ended()
+        if allowed != grace:
+            since, grace = time.monotonic(), allowed
+        if grace is not None and time.monotonic() - since >= grace:
             print(f"sgprun: every rank has ended, but mpirun (pid {process.pid}) has not "
                   f"exited {grace:.0f} s later (frozen or hung): killed; the ranks' records "
                   "give the job's status", file=sys.stderr, flush=True)
@@ -610,9 +624,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not args.fault_tolerant:
             return run(command, job_env)
         records = env[fault_record.VARIABLE]
-        # a rank's exit alarm gives MPI_Finalize the detector's timeout + 10 s
-        status = run(command, job_env, lambda: fault_record.verdict(records).ended(args.np),
-                     grace=detector_timeout(args) + 20)
+        status = run(command, job_env, lambda: head_grace(records, args.np,
+                                                          detector_timeout(args)))
         return fault_tolerant_status(status, records, args.np)
 
 
