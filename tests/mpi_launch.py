@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
+import shlex
 import subprocess
 import sys
 import time
@@ -70,7 +71,7 @@ class SharedChecks:
                  local_size: str = "1", env: dict | None = None, needs: str | None = None):
         self.script, self.args = script, args
         self.env = {"HVD_SGP_LOCAL_SIZE": local_size, **(env or {})}
-        self.member = " ".join((script, *args))
+        self.member = shlex.join((script, *args))
         self.worlds = set(worlds) if needs is None or importlib.util.find_spec(needs) else set()
         for n in self.worlds:
             _SHARING.setdefault(self._key(n), []).append(self.member)
