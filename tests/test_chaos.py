@@ -28,7 +28,8 @@ def test_fault_tolerant_transports_and_exit_policy():
     found by its peers' connections at once) and no libfabric one (untested under ULFM; its
     probing costs each process a second at MPI_Init), one btl setting with --tcp, TCP without its
     RDMA put (a put still lands after ULFM ended its receive) unless the user set the flags,
-    and PRRTE told that a non-zero exit does not end the job."""
+    MPI_Finalize without its PMIx fence (it may wait for ever after repairs) unless the user
+    set it, and PRRTE told that a non-zero exit does not end the job."""
     joined = " ".join(command(["-np", "4", "--fault-tolerant", "python", "x"]))
     assert "--mca btl ^sm,ofi " in joined
     flags = re.search(r"--mca btl_tcp_flags (\S+)", joined).group(1).split(",")
@@ -41,6 +42,10 @@ def test_fault_tolerant_transports_and_exit_policy():
                        env=dict(BASE_ENV, OMPI_MCA_btl_tcp_flags="send,put"))
     assert "btl_tcp_flags" not in from_env  # Open MPI reads the user's variable itself
     assert "--prtemca state_base_error_non_zero_exit 0" in joined
+    assert "--mca async_mpi_finalize 1" in joined
+    fenced = command(["-np", "4", "--fault-tolerant", "--mpi-args=--mca async_mpi_finalize 0",
+                      "python", "x"])
+    assert fenced.count("async_mpi_finalize") == 1 and "async_mpi_finalize 0" in " ".join(fenced)
     with_tcp = command(["-np", "4", "--fault-tolerant", "--tcp", "python", "x"])
     assert with_tcp.count("btl") == 1 and "self,tcp" in with_tcp
     own = command(["-np", "4", "--fault-tolerant", "--mpi-args=--mca btl self,sm,tcp",
@@ -48,6 +53,7 @@ def test_fault_tolerant_transports_and_exit_policy():
     assert own.count("btl") == 1 and "self,sm,tcp" in own  # the user's choice, alone
     plain = " ".join(command(["-np", "4", "--tcp", "python", "x"]))
     assert "btl self,sm,tcp" in plain and "error_non_zero_exit" not in plain
+    assert "async_mpi_finalize" not in plain
 
 
 @pytest.mark.parametrize("how", ["kill", "exit"])

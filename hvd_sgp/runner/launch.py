@@ -385,10 +385,12 @@ def detector_timeout(args: argparse.Namespace) -> float:
             else BY_NAME["detector_timeout"].default)
 
 
-# Open MPI's TCP transport as --fault-tolerant sets it (see fault_tolerant_options): its
-# default flags less "put", and 1 MB fragments (128 kB by default).
-TCP_WITHOUT_PUT = (("btl_tcp_flags", "send,inplace,need-ack,need-csum,hetero-rdma"),
-                   ("btl_tcp_max_send_size", str(2**20)))
+# Open MPI settings --fault-tolerant adds where the user set none (see fault_tolerant_options):
+# the TCP transport's default flags less "put", 1 MB fragments (128 kB by default), and
+# MPI_Finalize without its PMIx fence.
+FAULT_TOLERANT_MCA = (("btl_tcp_flags", "send,inplace,need-ack,need-csum,hetero-rdma"),
+                      ("btl_tcp_max_send_size", str(2**20)),
+                      ("async_mpi_finalize", "1"))
 
 
 def fault_tolerant_options(args: argparse.Namespace, job_env: Mapping[str, str]) -> list[str]:
@@ -414,7 +416,7 @@ def fault_tolerant_options(args: argparse.Namespace, job_env: Mapping[str, str])
     ``error_non_zero_exit 0`` stops that (sgprun's status comes from the ranks' own records,
     fault_record.py).
 
-    The TCP transport without its RDMA put (``TCP_WITHOUT_PUT``): a put is one fragment of up
+    The TCP transport without its RDMA put (in ``FAULT_TOLERANT_MCA``): a put is one fragment of up
     to 2 GB that the receiving transport reads straight into the address its receive gave,
     with no check that the receive is still live; ULFM completes a receive in error at a
     revoke while a live peer's put into it may still come, and a buffer freed then (a
@@ -422,18 +424,23 @@ def fault_tolerant_options(args: argparse.Namespace, job_env: Mapping[str, str])
     survivor's crash in 4 of 26 chaos runs at 25M parameters, none in 20 without the put
     (docs/faults.md). In 1 MB fragments a sender schedules no more once it learns of the
     revoke, which narrows the window (a fragment in flight still lands); 100 MB between two
-    ranks of this machine took no longer (34 ms, against 41-47 ms with the put). The user's
-    own setting, in --mpi-args or the job's environment (``job_env``), wins."""
+    ranks of this machine took no longer (34 ms, against 41-47 ms with the put).
+
+    MPI_Finalize without its PMIx fence (``async_mpi_finalize``): after repairs the fence
+    sometimes waits for ever (Open MPI 5.0: in 4 runs of 14 of an 8-rank test with 6
+    repairs, none of 26 without the fence; docs/faults.md), and the ranks have already met
+    at exit (``fault_mode._meet``), which is what the fence is for. The user's own setting of any of
+    these, in --mpi-args or the job's environment (``job_env``), wins."""
     timeout = detector_timeout(args)
     given = shlex.split(args.mpi_args or "")
     named = {name for flag, name in zip(given, given[1:]) if flag in ("--mca", "-mca")}
-    transports = [] if args.tcp or "btl" in named else ["--mca", "btl", "^sm,ofi"]
-    for name, value in TCP_WITHOUT_PUT:
+    settings = [] if args.tcp or "btl" in named else ["--mca", "btl", "^sm,ofi"]
+    for name, value in FAULT_TOLERANT_MCA:
         if name not in named and f"OMPI_MCA_{name}" not in job_env:
-            transports += ["--mca", name, value]
+            settings += ["--mca", name, value]
     return ["--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true",
             "--mca", "mpi_ft_detector_timeout", f"{timeout:g}",
-            "--mca", "mpi_ft_detector_period", f"{timeout / 4:g}", *transports,
+            "--mca", "mpi_ft_detector_period", f"{timeout / 4:g}", *settings,
             "--prtemca", "state_base_recoverable", "1",
             "--prtemca", "state_base_notify_errors", "1",
             "--prtemca", "state_base_error_non_zero_exit", "0"]
