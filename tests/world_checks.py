@@ -1,8 +1,8 @@
 """Several check scripts in one launch (mpi_launch.SharedChecks). Each argument is a script and
 its own arguments in one shell-quoted string; each runs in turn as ``__main__`` in the same
-processes, so every rank starts Python, torch and its first optimizer once for all of them. Rank 0 marks
-where each begins and ends; an exception ends the launch (hvd_sgp's MPI_Abort hook), and the
-scripts not reached are left to launches of their own."""
+processes, so every rank starts Python, torch and its first optimizer once for all of them.
+Rank 0 marks where each begins and ends; an exception ends the launch (hvd_sgp's MPI_Abort
+hook), and the scripts not reached are left to launches of their own."""
 import os
 import runpy
 import shlex

@@ -578,8 +578,8 @@ def _wait_for_head(process: subprocess.Popen, ended: Callable[[], Optional[float
                    poll: float = 1.0) -> int:
     """Wait for the head, but not for one that outlives the ranks. A frozen head (SIGSTOP, a
     hung node) never exits by itself: the ranks train on without it, then wait in
-    MPI_Finalize for its fence until their exit alarm ends them; nothing is left for the
-    head to do. ``ended()`` gives the seconds allowed, counted from when it last changed (the
+    MPI_Finalize for its PMIx server until their exit alarm ends them; nothing is left for
+    the head to do. ``ended()`` gives the seconds allowed, counted from when it last changed (the
     ranks' alarms arrive after their ``finished`` records)."""
     since, grace = None, None
     while True:
