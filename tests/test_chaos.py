@@ -7,7 +7,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -85,6 +88,18 @@ def test_reduced_chaos_run(tmp_path):
     redone = summary["steps_redone"]  # a commit per step: a death costs at most the step
     assert redone["deaths"] >= 4 and redone["max"] <= 1, redone
     assert summary["result"]["size"] == 4 and summary["result"]["accuracy"] > 0.85, summary
+    # no process of the run outlives it (two of four runs here once left a rank that sat in
+    # MPI_Comm_shrink, spinning, long after its job had ended: fault_mode._guard)
+    began = time.monotonic()
+    while (left := _processes_of(out)) and time.monotonic() - began < 15:
+        time.sleep(0.5)
+    assert not left, f"processes of the run still alive after it ended: {left}"
+
+
+def _processes_of(run: object) -> list:
+    """The processes whose command line names ``run`` (a run's directory)."""
+    found = subprocess.run(["pgrep", "-af", str(run)], capture_output=True, text=True)
+    return [line for line in found.stdout.splitlines() if "pgrep" not in line]
 
 
 def test_sgprun_names_the_lost_ranks_when_mpirun_counts_none(tmp_path, capsys):
@@ -136,3 +151,48 @@ def test_a_frozen_head_does_not_hold_sgprun_forever(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "has not exited 10 s later (frozen or hung): killed" in proc.stderr, proc.stderr
     assert "training completed on 2 ranks (mpirun's status 137)" in proc.stderr, proc.stderr
+
+
+ORPHAN = """
+import os, sys, time
+from hvd_sgp.common import runtime
+runtime.init()
+with open(os.path.join(sys.argv[1], f"rank{runtime.rank()}"), "w") as out:
+    out.write(f"{os.getpid()} {os.getppid()}")
+time.sleep(120)
+"""
+
+
+def test_ranks_whose_launcher_is_gone_exit(tmp_path):
+    """The head (mpirun) killed while 2 ranks run: they are orphans, their job over; each
+    exits within a second or two (before, a rank stuck in an MPI call after its job ended
+    lived on, spinning, for as long as the machine ran)."""
+    script = tmp_path / "orphan.py"
+    script.write_text(ORPHAN)
+    cmd = [sys.executable, "-m", "hvd_sgp.runner.launch", "-np", "2", "--fault-tolerant",
+           "--detector-timeout", "4", sys.executable, str(script), str(tmp_path)]
+    job = subprocess.Popen(cmd, env=environment(), cwd=str(tmp_path),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        began = time.monotonic()
+        while len(list(tmp_path.glob("rank[01]"))) < 2 or any(
+                not p.read_text() for p in tmp_path.glob("rank[01]")):
+            assert time.monotonic() - began < 60 and job.poll() is None, job.communicate()
+            time.sleep(0.2)
+        ranks = [tuple(map(int, p.read_text().split())) for p in tmp_path.glob("rank[01]")]
+        os.kill(ranks[0][1], signal.SIGKILL)  # their parent: the head, on one machine
+        killed = time.monotonic()
+        alive = [pid for pid, _ in ranks]
+        while alive and time.monotonic() - killed < 10:
+            time.sleep(0.1)
+            alive = [pid for pid in alive if os.path.exists(f"/proc/{pid}")
+                     and open(f"/proc/{pid}/stat").read().split()[2] != "Z"]
+        gone = time.monotonic() - killed
+        print(f"ranks gone {gone:.1f} s after their launcher")
+        assert not alive, f"ranks {alive} still alive {gone:.0f} s after their launcher died"
+    finally:
+        for pid, _ in locals().get("ranks", []):
+            if os.path.exists(f"/proc/{pid}"):
+                os.kill(pid, signal.SIGKILL)
+        job.kill()
+        job.communicate()

@@ -10,7 +10,8 @@ the case ULFM cannot see, a rank alive but silent (stuck outside hvd_sgp), on th
 when its world has been revoked for HVD_SGP_TIMEOUT seconds and it has not begun to repair, it
 prints why and exits, which ULFM then reports to the survivors. And it kills a peer on this
 machine that stays stopped, which ULFM does not see where the peer is a spawned replacement
-(stopped.py).
+(stopped.py). A second thread, with no MPI call of its own, ends a repair past its deadline
+and a rank whose launcher is gone.
 """
 from __future__ import annotations
 
@@ -53,6 +54,8 @@ def configure(world_revoked: Callable[[], bool], revoke_all: Callable[[], None],
         status.watchdog = threading.Thread(target=_watch, args=(world_revoked, peers),
                                            name="hvd_sgp-watchdog", daemon=True)
         status.watchdog.start()
+        threading.Thread(target=_guard, args=(os.getppid(),), name="hvd_sgp-guard",
+                         daemon=True).start()
         atexit.register(_finalize, world)
     atexit.register(fault_record.write, "finished", origin)  # (atexit runs it first)
 
@@ -93,9 +96,6 @@ def _watch(world_revoked: Callable[[], bool], peers: Callable[[], list]) -> None
         MPI.COMM_SELF.Iprobe()  # progress: ULFM's detector sends its heartbeats
         sentinel.check(peers())
         deadline = status.repairing
-        if deadline is not None and time.monotonic() > deadline:
-            recovery.exclude_self(f"the repair of the world did not complete within "
-                                  f"{status.repair_seconds:.0f} s: this rank gives up and exits")
         stuck_since = (stuck_since or time.monotonic()) if _revoked_under_spawn(
             world_revoked) else None
         if stuck_since is not None and time.monotonic() - stuck_since > grace:
@@ -115,6 +115,22 @@ def _watch(world_revoked: Callable[[], bool], peers: Callable[[], list]) -> None
                                   f"peer, and this rank did not join within HVD_SGP_TIMEOUT="
                                   f"{status.timeout:g} s (frozen or silent): it is excluded "
                                   "and exits")
+
+
+def _guard(launcher: int) -> None:
+    """The bounds that need no MPI, kept by a thread that makes no MPI call, so that no
+    blocked MPI call holds them (the heartbeat's included: a survivor of a chaos run sat in
+    MPI_Comm_shrink for 50 minutes after its job ended, Open MPI's TCP progress thread
+    deadlocked inside a revoke). The repair's deadline, and the launcher: a rank whose parent
+    (the launcher's daemon) is gone has lost its job, so it exits instead of living on."""
+    while not status.stop.wait(HEARTBEAT_SECONDS):
+        if os.getppid() != launcher:
+            recovery.exclude_self(f"its launcher (process {launcher}) is gone, so its job has "
+                                  "ended: this rank exits")
+        deadline = status.repairing
+        if deadline is not None and time.monotonic() > deadline:
+            recovery.exclude_self(f"the repair of the world did not complete within "
+                                  f"{status.repair_seconds:.0f} s: this rank gives up and exits")
 
 
 def _revoked_under_spawn(world_revoked: Callable[[], bool]) -> bool:

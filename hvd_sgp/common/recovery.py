@@ -201,8 +201,12 @@ def arrived() -> None:
 
 
 def exclude_self(reason: str) -> None:
-    """Say why, then leave (see leave)."""
-    print(on_rank(reason), file=sys.stderr, flush=True)
+    """Say why, then leave (see leave); where nobody reads this rank's output any more (its
+    launcher gone), leave all the same."""
+    try:
+        print(on_rank(reason), file=sys.stderr, flush=True)
+    except OSError:
+        pass
     leave()
 
 
@@ -226,6 +230,9 @@ def leave() -> None:
     reads the 'failed' record instead of the status)."""
     if status.origin is not None:
         fault_record.write("failed", status.origin)
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except OSError:  # (a launcher gone: nobody reads it)
+            pass
     os.kill(os.getpid(), signal.SIGKILL)
