@@ -96,7 +96,7 @@ def test_reduced_chaos_run(tmp_path):
     assert not left, f"processes of the run still alive after it ended: {left}"
 
 
-def _processes_of(run: object) -> list:
+def _processes_of(run: os.PathLike) -> list:
     """The processes whose command line names ``run`` (a run's directory)."""
     found = subprocess.run(["pgrep", "-af", str(run)], capture_output=True, text=True)
     return [line for line in found.stdout.splitlines() if "pgrep" not in line]
@@ -139,9 +139,9 @@ if runtime.rank() == 0:
 
 def test_a_frozen_head_does_not_hold_sgprun_forever(tmp_path):
     """The head (mpirun) frozen while 2 ranks train: they finish, meet at exit, record their
-    exit alarm (5 s) and wait in MPI_Finalize for the head's fence until the alarm ends them;
-    sgprun, having read the alarms, kills the head 10 s after the last record (before the
-    alarms were recorded, 24 s after; before that, it waited for the head for ever)."""
+    exit alarm (5 s) and wait in MPI_Finalize for the head's PMIx server until the alarm ends
+    them; sgprun, having read the alarms, kills the head 10 s after the last record (before
+    the alarms were recorded, 24 s after; before that, it waited for the head for ever)."""
     script = tmp_path / "freeze_head.py"
     script.write_text(HEAD_FREEZER)
     cmd = [sys.executable, "-m", "hvd_sgp.runner.launch", "-np", "2", "--fault-tolerant",
@@ -173,6 +173,7 @@ def test_ranks_whose_launcher_is_gone_exit(tmp_path):
            "--detector-timeout", "4", sys.executable, str(script), str(tmp_path)]
     job = subprocess.Popen(cmd, env=environment(), cwd=str(tmp_path),
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ranks: list = []  # (pid, parent pid) of each rank
     try:
         began = time.monotonic()
         while len(list(tmp_path.glob("rank[01]"))) < 2 or any(
@@ -191,7 +192,7 @@ def test_ranks_whose_launcher_is_gone_exit(tmp_path):
         print(f"ranks gone {gone:.1f} s after their launcher")
         assert not alive, f"ranks {alive} still alive {gone:.0f} s after their launcher died"
     finally:
-        for pid, _ in locals().get("ranks", []):
+        for pid, _ in ranks:
             if os.path.exists(f"/proc/{pid}"):
                 os.kill(pid, signal.SIGKILL)
         job.kill()
