@@ -228,7 +228,8 @@ def test_host_discovery_grows_shrinks_and_moves_rank_0(tmp_path):
     file as an outside agent would. (1) localhost:2,H:3 (H: this machine's own name, which
     PRRTE also runs locally): 5 slots capped by --max-np 4, two newcomers spawned on H. (2) The
     newcomer launched 3 is SIGKILLed: a replacement grows the world back to 4 on H. (3) H:1:
-    the highest rank on H leaves with status 0, 3 ranks go on without a sync. (4) H:3,
+    the highest rank on H leaves with status 0, 3 ranks go on without a sync. (3b) The file is
+    emptied for six steps: fewer slots than --min-np, held back while training goes on. (4) H:3,
     localhost removed: ranks 0 and 1 leave, the rank on H becomes rank 0 (its poller takes
     over), two newcomers fill H. Every change interrupts every rank at the same commit; every
     entry holds one model and weights summing to the size; mpirun itself exits 0."""
@@ -237,9 +238,10 @@ def test_host_discovery_grows_shrinks_and_moves_rank_0(tmp_path):
         pytest.skip("needs a host name other than localhost that PRRTE runs locally")
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:2\n")
-    proc = sgprun(2, "elastic_discovery.py", "--steps", "34", "--hosts-file", str(hosts),
+    proc = sgprun(2, "elastic_discovery.py", "--steps", "36", "--hosts-file", str(hosts),
                   "--change", f"5:localhost:2,{here}:3", "--kill", "3:10",
-                  "--change", f"18:localhost:2,{here}:1", "--change", f"26:{here}:3",
+                  "--change", f"18:localhost:2,{here}:1", "--change", "22:",
+                  "--change", f"28:{here}:3",
                   flags=("--min-np", "2", "--max-np", "4", "--host-discovery-script",
                          f"cat {hosts}"))
     output = expect_passed(proc, f"finished on 3 ranks, origins by rank [2, 5, 6], hosts by "
@@ -252,6 +254,7 @@ def test_host_discovery_grows_shrinks_and_moves_rank_0(tmp_path):
         (f"localhost:2,{here}:1", "rank(s) [4] left, no rank joined", 3),
         (f"{here}:3", f"rank(s) [0, 1] left, 2 rank(s) joined on ['{here}']", 3)], output
     assert "lost rank(s) [3]; 3 of 4 ranks go on; 1 replacement(s) joined" in output
+    assert "found no host, fewer than the 2 slots of HVD_SGP_MIN_NP" in output
     assert output.count("leaves the job: the discovery script removed its host") == 3
     resets = {}  # origin -> the steps of its resets, in order: (1), (2), (3), (4) as it saw them
     for origin, step in re.findall(r"origin (\d+) reset at step (\d+)", output):
@@ -636,6 +639,37 @@ def test_discovery_script_output_and_errors():
                                                                                    ("c", 1)]
 
 
+def test_the_poller_holds_back_too_few_slots_for_the_elastic_timeout(tmp_path, capsys):
+    """Rank 0's poller, on a file rewritten as an outside agent does (truncated, then written):
+    a list below HVD_SGP_MIN_NP (here the empty file) leaves the last good list in place and
+    warns once; enough slots again are taken at once; a short list that lasts the patience is
+    taken (and the job then ends at the next commit)."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("a:2\n")
+    poller = discovery.Poller(f"cat {hosts}", None, 0.02, minimum=2, patience=1.0)
+
+    def settles(expected, within=5.0):
+        deadline = time.monotonic() + within
+        while poller.latest() != expected and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return poller.latest() == expected
+
+    try:
+        assert settles([("a", 2)])
+        hosts.write_text("")
+        time.sleep(0.3)
+        assert poller.latest() == [("a", 2)]
+        assert capsys.readouterr().err.count("found no host, fewer than the 2 slots") == 1
+        hosts.write_text("a:2\nb:1\n")
+        assert settles([("a", 2), ("b", 1)], within=0.5)
+        hosts.write_text("b:1\n")
+        began = time.monotonic()
+        assert settles([("b", 1)])
+        assert 1.0 <= time.monotonic() - began < 2.0
+    finally:
+        poller.stop()
+
+
 def test_sgprun_discovers_hosts_before_the_launch():
     """sgprun waits (polling at the interval) until the script gives -np slots, then launches
     on all of them, at most --max-np, and hands the ranks what it found; it refuses -H with a
@@ -650,9 +684,11 @@ def test_sgprun_discovers_hosts_before_the_launch():
     args = launch.parse_args(["-np", "2", "--max-np", "4", "--host-discovery-script", "s.sh",
                               "python", "x"])
     assert args.fault_tolerant  # as --min-np/--max-np, the script makes the run elastic
-    hosts = launch.discover(args, {}, run=lambda *_: next(found), sleep=sleep,
-                            clock=lambda: clock[0])
+    hosts = launch.discover(args, {"HOROVOD_ELASTIC_TIMEOUT": "30"}, run=lambda *_: next(found),
+                            sleep=sleep, clock=lambda: clock[0])
     assert hosts == "a:1,b:4" and slept == [1.0]
+    # the ranks' poller waits as long for slots lost later
+    assert launch.sgp_environment(args)["HVD_SGP_ELASTIC_TIMEOUT"] == "30.0"
     assert args.np == 4 and [(h.name, h.slots) for h in args.hosts] == [("a", 1), ("b", 4)]
     cmd = command(["-np", "2", "--fault-tolerant", "python", "x"])
     assert "state_base_recoverable" in cmd  # spawned jobs survive a lost or leaving process

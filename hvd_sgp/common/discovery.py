@@ -6,7 +6,9 @@ that may run ranks now, one ``host:slots`` line each (``host`` alone takes
 slots it finds, at most ``--max-np``), and hands the ranks what it found
 (``HVD_SGP_DISCOVERED_HOSTS``). From then on the world's rank 0 runs it every
 ``HVD_SGP_DISCOVERY_INTERVAL`` seconds (1 s, Horovod's period) in a thread of its own
-(``Poller``); ``state.commit()`` broadcasts rank 0's latest result, so every rank sees a change
+(``Poller``): a list with fewer than ``HVD_SGP_MIN_NP`` slots is held back while training goes
+on, for up to ``HVD_SGP_ELASTIC_TIMEOUT`` seconds, as horovodrun waits for slots (a file being
+rewritten reads empty for a moment); ``state.commit()`` broadcasts rank 0's latest result, so every rank sees a change
 at the same commit (hvd_sgp/common/horovod_api/elastic.py), and the runtime then grows or shrinks the world
 to the new hosts (runtime.resize). No MPI here: the launcher imports it.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from typing import Optional
 
 VARIABLE = "HVD_SGP_DISCOVERED_HOSTS"  # what sgprun found at launch: "host:slots,..." in order
@@ -78,6 +81,11 @@ def encode(hosts: Hosts) -> str:
     return ",".join(f"{name}:{slots}" for name, slots in hosts)
 
 
+def describe(hosts: Hosts) -> str:
+    """``encode`` for messages, where an empty list must still read as one."""
+    return encode(hosts) or "no host"
+
+
 def decode(text: str) -> Hosts:
     """The inverse of ``encode``."""
     return parse(text.replace(",", "\n"), None, VARIABLE)
@@ -112,18 +120,25 @@ ADDED, REMOVED = 2, 1  # Horovod's HostUpdateResult flags
 class Poller:
     """Runs the discovery script every ``interval`` seconds in a daemon thread and keeps the
     last host list it printed. A failed run keeps the previous list and says why on stderr
-    (once per distinct error), as Horovod retries transient failures."""
+    (once per distinct error), as Horovod retries transient failures. A list with fewer than
+    ``minimum`` slots is held back (the previous one stays) until a later run finds enough or
+    ``patience`` seconds have passed since the first short one; then it is taken, and the job
+    ends at the next commit (world_grow.resize)."""
 
-    def __init__(self, command: str, default_slots: Optional[int], interval: float):
+    def __init__(self, command: str, default_slots: Optional[int], interval: float,
+                 minimum: int = 1, patience: float = float("inf")):
         self.command, self.default_slots, self.interval = command, default_slots, interval
+        self.minimum, self.patience = minimum, patience
         self._latest: Optional[Hosts] = None
         self._said: Optional[str] = None
+        self._short_since: Optional[float] = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hvd_sgp-discovery", daemon=True)
         self._thread.start()
 
     def latest(self) -> Optional[Hosts]:
-        """The hosts of the last successful run; None before the first one completed."""
+        """The hosts of the last successful run that counts; None before the first one (a
+        short first list, on a rank 0 that took over, is held back too)."""
         return self._latest
 
     def stop(self) -> None:
@@ -132,22 +147,39 @@ class Poller:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self._latest = run_script(self.command, self.default_slots)
+                self._take(run_script(self.command, self.default_slots))
             except DiscoveryError as error:
-                if str(error) != self._said:
-                    self._said = str(error)
-                    print(f"hvd_sgp: warning: {error}; keeping the last host list",
-                          file=sys.stderr, flush=True)
+                self._say(f"{error}; keeping the last host list")
             self._stop.wait(self.interval)
+
+    def _take(self, hosts: Hosts) -> None:
+        if total(hosts) >= self.minimum:
+            self._latest, self._short_since = hosts, None
+            return
+        now = time.monotonic()
+        if self._short_since is None:
+            self._short_since = now
+        if now - self._short_since >= self.patience:
+            self._latest = hosts
+            return
+        self._say(f"the host discovery script found {describe(hosts)}, fewer than the "
+                  f"{self.minimum} slots of HVD_SGP_MIN_NP; training goes on and the job ends "
+                  f"if it still finds too few {self.patience:g} s after")
+
+    def _say(self, warning: str) -> None:
+        if warning != self._said:
+            self._said = warning
+            print(f"hvd_sgp: warning: {warning}", file=sys.stderr, flush=True)
 
 
 _poller: list = []  # the running Poller, at most one per process
 
 
-def poll(command: str, default_slots: Optional[int], interval: float) -> Poller:
+def poll(command: str, default_slots: Optional[int], interval: float, minimum: int = 1,
+         patience: float = float("inf")) -> Poller:
     """The process's poller, started on first call."""
     if not _poller:
-        _poller.append(Poller(command, default_slots, interval))
+        _poller.append(Poller(command, default_slots, interval, minimum, patience))
     return _poller[0]
 
 

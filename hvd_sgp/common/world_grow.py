@@ -192,7 +192,7 @@ def resize(world: World) -> bool:
     keep = len(plan["slots"]) - len(plan["newcomers"])
     minimum = options.from_environment("min_np")
     if keep + len(plan["newcomers"]) < minimum:
-        raise SgpError(f"the discovered hosts {discovery.encode(world.pending)} give "
+        raise SgpError(f"the discovered hosts ({discovery.describe(world.pending)}) give "
                        f"{keep + len(plan['newcomers'])} ranks, fewer than "
                        f"HVD_SGP_MIN_NP={minimum}: the job ends")
     leaving = world.origin in plan["leaving"]

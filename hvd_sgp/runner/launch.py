@@ -192,9 +192,10 @@ def discover(args: argparse.Namespace, environ: Mapping[str, str],
             break
         if clock() + interval > deadline:
             raise LaunchError(f"the host discovery script found {discovery.total(hosts)} "
-                              f"slots ({discovery.encode(hosts) or 'no host'}) and not the "
+                              f"slots ({discovery.describe(hosts)}) and not the "
                               f"{args.np} of -np within --elastic-timeout {timeout:g} s")
         sleep(interval)
+    args.elastic_timeout = timeout  # the ranks' poller waits as long for slots lost later
     count = discovery.total(hosts) if args.max_np is None else min(args.max_np,
                                                                      discovery.total(hosts))
     used = set(discovery.assign(hosts, count))

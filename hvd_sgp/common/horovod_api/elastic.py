@@ -189,9 +189,9 @@ def _latest_hosts() -> Optional[list]:
     if runtime.rank() != 0:
         discovery.stop_polling()
         return None
-    return discovery.poll(options.from_environment("host_discovery_script"),
-                          options.from_environment("slots_per_host"),
-                          options.from_environment("discovery_interval")).latest()
+    return discovery.poll(*(options.from_environment(name) for name in (
+        "host_discovery_script", "slots_per_host", "discovery_interval", "min_np",
+        "elastic_timeout"))).latest()
 
 
 def keeps_parameters() -> bool:
