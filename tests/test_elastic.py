@@ -162,6 +162,9 @@ def test_grow_back_at_8_ranks_replaces_a_replacement():
     assert "origins by rank [0, 1, 2, 3, 4, 9, 6, 7]" in output, output[-3000:]
     assert "(0, 2, 2), (1, 2, 2)" in output  # rank 5's node has its two ranks again
     assert "were lost and replaced by new processes (launch rank(s) [8, 9])" in output
+    # every rank's MPI_Finalize returned (5 of 8 waited for the lost replacement 8 until their
+    # exit alarm while the world's communicators were still held: fault_mode._finalize)
+    assert "did not return from MPI_Finalize" not in output, output[-3000:]
     print(f"grow back at 8 ranks: kill to the first step on 8 ranks "
           f"{kill_to_back(output, 5):.2f} s (os._exit), {kill_to_back(output, 8):.2f} s "
           f"(SIGKILL of the replacement)")
@@ -255,6 +258,7 @@ def test_host_discovery_grows_shrinks_and_moves_rank_0(tmp_path):
         (f"{here}:3", f"rank(s) [0, 1] left, 2 rank(s) joined on ['{here}']", 3)], output
     assert "lost rank(s) [3]; 3 of 4 ranks go on; 1 replacement(s) joined" in output
     assert "found no host, fewer than the 2 slots of HVD_SGP_MIN_NP" in output
+    assert "did not return from MPI_Finalize" not in output, output[-3000:]  # (as at 8 ranks)
     assert output.count("leaves the job: the discovery script removed its host") == 3
     resets = {}  # origin -> the steps of its resets, in order: (1), (2), (3), (4) as it saw them
     for origin, step in re.findall(r"origin (\d+) reset at step (\d+)", output):
@@ -587,6 +591,25 @@ def test_fault_records_of_a_planned_leave(tmp_path, capsys):
     assert launch.fault_tolerant_status(1, str(tmp_path), 4) == 0
     assert "rank(s) [3] left when the discovery script removed their hosts" in (
         capsys.readouterr().err)
+
+
+def test_fault_records_name_a_finalize_that_never_returned(tmp_path, capsys):
+    """A rank that recorded its exit alarm (MPI_Finalize began) and not its return was ended
+    by the alarm: sgprun names it (training completed, status 0); a lost rank is not named."""
+    env = {fault_record.VARIABLE: str(tmp_path)}
+    for rank in range(3):
+        fault_record.write("started", rank, env)
+        fault_record.write("finished", rank, env)
+        fault_record.write("finalizing 5", rank, env)
+    fault_record.write("finalized", 0, env)
+    fault_record.write("lost 2", 0, env)
+    assert fault_record.verdict(str(tmp_path)).alarmed == {1}
+    assert launch.fault_tolerant_status(0, str(tmp_path), 3) == 0
+    assert ("rank(s) [1] did not return from MPI_Finalize and were ended by their exit alarm"
+            in capsys.readouterr().err)
+    fault_record.write("finalized", 1, env)
+    assert launch.fault_tolerant_status(0, str(tmp_path), 3) == 0
+    assert "exit alarm" not in capsys.readouterr().err
 
 
 def test_the_head_is_given_the_exit_alarms_the_ranks_recorded(tmp_path, capsys):

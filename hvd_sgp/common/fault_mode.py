@@ -37,11 +37,12 @@ status = recovery.status
 
 def configure(world_revoked: Callable[[], bool], revoke_all: Callable[[], None],
               origin: int, peers: Callable[[], list],
-              world: Callable[[], Optional[MPI.Comm]]) -> None:
+              world: Callable[[], Optional[MPI.Comm]], release: Callable[[], None]) -> None:
     """At init: read HVD_SGP_FAULT_TOLERANT, check that MPI can do it, start the thread.
     ``revoke_all`` revokes every hvd_sgp communicator; ``origin`` names this rank for good;
     ``peers`` gives (origin, process) of every rank of the world as it stands, ``world`` its
-    communicator (the runtime's, handed in: recovery imports no runtime)."""
+    communicator, ``release`` frees every hvd_sgp communicator (the runtime's, handed in:
+    recovery imports no runtime)."""
     status.revoke_all, status.origin = revoke_all, origin
     status.repair_seconds = repair_seconds()
     status.enabled = bool(options.from_environment("fault_tolerant"))
@@ -56,7 +57,7 @@ def configure(world_revoked: Callable[[], bool], revoke_all: Callable[[], None],
         status.watchdog.start()
         threading.Thread(target=_guard, args=(os.getppid(),), name="hvd_sgp-guard",
                          daemon=True).start()
-        atexit.register(_finalize, world)
+        atexit.register(_finalize, world, release)
     atexit.register(fault_record.write, "finished", origin)  # (atexit runs it first)
 
 
@@ -140,8 +141,9 @@ def _revoked_under_spawn(world_revoked: Callable[[], bool]) -> bool:
         return False
 
 
-def _finalize(world: Callable[[], Optional[MPI.Comm]]) -> None:
-    """At exit: meet the other ranks (``_meet``), stop the thread, then finalize MPI at once.
+def _finalize(world: Callable[[], Optional[MPI.Comm]], release: Callable[[], None]) -> None:
+    """At exit: meet the other ranks (``_meet``), stop the thread, free hvd_sgp's
+    communicators, then finalize MPI at once.
     The thread's heartbeats must go on until MPI_Finalize, whose own progress takes them over
     (a rank silent for the detector's timeout while Python tears down would be declared
     dead), and must not race it; during the meeting it also still kills a stopped peer (a
@@ -157,7 +159,13 @@ def _finalize(world: Callable[[], Optional[MPI.Comm]]) -> None:
     alarm is short; without the meeting (a peer lost at exit, or still busy after
     HVD_SGP_TIMEOUT) it is the detector's timeout + 10 s, as a finalize may then still wait
     for a peer's. The alarm is recorded for sgprun, which then knows how long the ranks
-    may outlive their records (``fault_record.Verdict.gone_within``)."""
+    may outlive their records (``fault_record.Verdict.gone_within``).
+
+    The communicators are freed first because MPI_Finalize disconnects every one still held
+    that spans jobs (a world that took in spawned processes), waiting for each of its
+    processes, the lost and the departed included (Open MPI's ompi_dpm_dyn_finalize): held,
+    they made MPI_Finalize wait for the alarm in every job that grew and then lost or sent
+    away a spawned process."""
     running = MPI.Is_initialized() and not MPI.Is_finalized()
     met = running and _meet(world(), status.timeout)
     status.stop.set()
@@ -171,8 +179,13 @@ def _finalize(world: Callable[[], Optional[MPI.Comm]]) -> None:
     sys.stderr.flush()
     signal.signal(signal.SIGALRM, signal.SIG_DFL)
     signal.alarm(seconds)
+    try:
+        release()
+    except Exception:  # noqa: BLE001  (what could not be freed is left to MPI_Finalize)
+        pass
     MPI.Finalize()
     signal.alarm(0)
+    fault_record.write("finalized", status.origin)
 
 
 def _meet(comm: Optional[MPI.Comm], seconds: float) -> bool:

@@ -6,8 +6,9 @@ appends one-line events to its own file in a directory named by ``HVD_SGP_FAULT_
 ``started``, ``lost <ranks>`` (written by the survivors after a repair), ``joined <ranks>``
 (replacements or newcomers taken in, by their launch ranks), ``left`` (a rank whose host the
 discovery script removed, leaving by plan), ``failed`` (an uncaught exception), ``finished``
-(normal interpreter exit) and ``finalizing <seconds>`` (MPI_Finalize begins, the process
-ending within those seconds at the latest: its exit alarm). ``verdict`` reads them back.
+(normal interpreter exit), ``finalizing <seconds>`` (MPI_Finalize begins, the process
+ending within those seconds at the latest: its exit alarm) and ``finalized`` (it returned).
+``verdict`` reads them back.
 No MPI here: the launcher imports it.
 """
 from __future__ import annotations
@@ -52,6 +53,13 @@ class Verdict:
     joined: set = field(default_factory=set)
     left: set = field(default_factory=set)
     finalizing: dict = field(default_factory=dict)  # rank -> seconds its exit alarm allows
+    finalized: set = field(default_factory=set)
+
+    @property
+    def alarmed(self) -> set:
+        """Ranks whose MPI_Finalize never returned (their exit alarm or the head's end ended
+        them), lost ranks aside."""
+        return set(self.finalizing) - self.finalized - self.lost
 
     @property
     def completed(self) -> bool:
@@ -95,6 +103,6 @@ def verdict(directory: str) -> Verdict:
                     getattr(result, event).update(int(r) for r in rest.split(",") if r)
                 elif event == "finalizing":
                     result.finalizing[rank] = float(rest)
-                elif event in ("started", "finished", "failed", "left"):
+                elif event in ("started", "finished", "failed", "left", "finalized"):
                     getattr(result, event).add(rank)
     return result

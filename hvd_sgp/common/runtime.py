@@ -25,7 +25,7 @@ from hvd_sgp.common import (discovery, fault_mode, finalizers, options, place, r
                             watchdog, world_grow, world_repair)
 from hvd_sgp.common.errors import OptionError
 from hvd_sgp.common.mpi import MPI
-from hvd_sgp.common.world import World, WorldChange, entry
+from hvd_sgp.common.world import World, WorldChange, entry, free_tracked
 # This rank's place (place.py) and the world's change API (world.py) are reached as runtime.*
 # by the adapters, tests and tools, as the rest of the world's public face.
 from hvd_sgp.common.place import (Layout, cross_comm, cross_rank, cross_size, host,  # noqa: F401
@@ -97,7 +97,8 @@ def init(comm: Optional[MPI.Comm] = None) -> None:
             world.discovered = discovered
             world.allocated = {name for name, _ in discovered}
     place.install(world)
-    fault_mode.configure(_world_revoked, _revoke_all, world.origin, _peers, _world_comm)
+    fault_mode.configure(_world_revoked, _revoke_all, world.origin, _peers, _world_comm,
+                         _release)
     watchdog.start(world.world, world.origins, float(options.from_environment("timeout")),
                    world.thread_level >= MPI.THREAD_MULTIPLE)
     _abort_on_uncaught_errors()
@@ -145,6 +146,13 @@ def shutdown() -> None:
 
 
 atexit.register(shutdown)
+
+
+def _release() -> None:
+    """Before a fault-tolerant rank's MPI_Finalize: every hvd_sgp communicator freed, the
+    optimizers' private ones too (fault_mode._finalize says why)."""
+    shutdown()
+    free_tracked()
 
 
 def mpi_library() -> str:

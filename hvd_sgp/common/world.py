@@ -137,6 +137,12 @@ def untrack(comm: MPI.Comm) -> None:
         _tracked.remove(comm)
 
 
+def free_tracked() -> None:
+    """Free every tracked communicator, at exit (runtime._release)."""
+    while _tracked:
+        recovery.free(_tracked.pop())
+
+
 # --- telling the subscribers -----------------------------------------------------------------
 @dataclass(frozen=True)
 class WorldChange:

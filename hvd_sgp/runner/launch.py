@@ -539,6 +539,9 @@ def _what_happened(verdict: fault_record.Verdict) -> str:
     if verdict.left:
         parts.append(f"rank(s) {sorted(verdict.left)} left when the discovery script "
                      "removed their hosts")
+    if verdict.alarmed:
+        parts.append(f"rank(s) {sorted(verdict.alarmed)} did not return from MPI_Finalize "
+                     "and were ended by their exit alarm")
     return "; ".join(parts)
 
 
