@@ -201,12 +201,8 @@ def arrived() -> None:
 
 
 def exclude_self(reason: str) -> None:
-    """Say why, then leave (see leave); where nobody reads this rank's output any more (its
-    launcher gone), leave all the same."""
-    try:
-        print(on_rank(reason), file=sys.stderr, flush=True)
-    except OSError:
-        pass
+    """Say why, then leave (see leave)."""
+    _last_words(on_rank(reason))
     leave()
 
 
@@ -215,9 +211,8 @@ def leave_by_plan(reason: str) -> None:
     host was removed): the others have already formed their world without it. Without
     MPI_Finalize, which would wait for the others' (ULFM reports the exit to nobody who
     still communicates with this rank)."""
-    print(on_rank(f"leaves the job: {reason}"), file=sys.stderr, flush=True)
     fault_record.write("left", status.origin)
-    sys.stdout.flush()
+    _last_words(on_rank(f"leaves the job: {reason}"))
     status.stop.set()
     os._exit(0)
 
@@ -230,9 +225,17 @@ def leave() -> None:
     reads the 'failed' record instead of the status)."""
     if status.origin is not None:
         fault_record.write("failed", status.origin)
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except OSError:  # (a launcher gone: nobody reads it)
-            pass
+    _last_words()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _last_words(line: Optional[str] = None) -> None:
+    """Print ``line`` on stderr and flush both streams before the process ends; where nobody
+    reads them any more (the launcher gone: a broken pipe), end all the same."""
+    for stream, text in ((sys.stderr, line), (sys.stdout, None), (sys.stderr, None)):
+        try:
+            if text is not None:
+                stream.write(text + "\n")
+            stream.flush()
+        except OSError:
+            pass
