@@ -148,8 +148,9 @@ OPTIONS: tuple[Option, ...] = (
            "without :slots", minimum=1, keyword=False),
     Option("discovery_interval", float, 1.0, "seconds between runs of the discovery script "
            "(Horovod's period)", above=0, keyword=False),
-    Option("elastic_timeout", float, 600.0, "seconds sgprun waits for the discovery script "
-           "to find -np slots before it gives up (Horovod's HOROVOD_ELASTIC_TIMEOUT)",
+    Option("elastic_timeout", float, 600.0, "seconds the discovery script may take to find "
+           "enough slots: -np before the launch, --min-np while the job runs (Horovod's "
+           "HOROVOD_ELASTIC_TIMEOUT)",
            above=0, keyword=False),
     Option("detector_timeout", float, 8.0, "fault-tolerant: seconds of silence before ULFM "
            "declares a rank dead", minimum=0.1, keyword=False),
