@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import socket
 import stat
@@ -591,19 +592,27 @@ def test_sgprun_fails_when_one_rank_fails(probe):
     assert result.returncode == 3, result.stderr  # mpirun reports the first failed status
 
 
-def test_check_build_reports_mpi_and_frameworks():
+def test_check_build_reports_mpi_and_frameworks(monkeypatch):
     result = run_sgprun(["--check-build"])
     assert result.returncode == 0, result.stderr
     out = result.stdout
+    from hvd_sgp.runner import check_build
     from hvd_sgp.version import __version__
 
     assert out.startswith(f"hvd_sgp {__version__}")
     assert "[X] MPI: " in out and "MPI_THREAD_MULTIPLE" in out and "CUDA-aware MPI" in out
     for line in ("PyTorch", "TensorFlow", "Horovod", "NCCL"):
         assert f"] {line}" in out
-    for forced, mark in (("1", "[X]"), ("0", "[ ]")):  # the override beats MPI's answer
-        forced_out = run_sgprun(["--check-build"], extra_env={"HVD_SGP_CUDA_AWARE": forced})
-        assert f"{mark} CUDA-aware MPI" in forced_out.stdout, forced_out.stdout
+    # the override beats MPI's answer in the probe's own process; the report marks it
+    for forced, mark in (("1", "[X]"), ("0", "[ ]")):
+        probe = subprocess.run([sys.executable, "-m", "hvd_sgp.runner.check_build", "--probe",
+                                "mpi"], capture_output=True, text=True, timeout=120,
+                               env={**os.environ, "HVD_SGP_CUDA_AWARE": forced})
+        facts = json.loads(probe.stdout.strip().splitlines()[-1])
+        assert facts["cuda_aware"] is (forced == "1"), probe.stdout + probe.stderr
+        monkeypatch.setattr(check_build, "gather", lambda: {
+            "mpi": facts, "torch": {"missing": True}, "tensorflow": {"missing": True}})
+        assert f"{mark} CUDA-aware MPI" in check_build.report()
 
 
 HOROVOD_PROBE = textwrap.dedent("""
