@@ -76,7 +76,8 @@ def test_reduced_chaos_run(tmp_path):
     """4 ranks in two-rank nodes, 8 failures at random (SIGKILL, os._exit, SIGSTOP; any
     rank, rank 0, a local master, the latest replacement, a survivor mid-repair; every
     moment), each lost rank replaced: no 60 s without a step, the weights sum to the world's
-    size after every step and at the end, status 0, and digits still learnt."""
+    size after every step and at the end, status 0, digits still learnt, and every rank's
+    MPI_Finalize returned."""
     out = tmp_path / "chaos"
     cmd = [sys.executable, str(REPO / "examples" / "chaos.py"), "--np", "4", "--local-size",
            "2", "--failures", "8", "--epochs", "10", "--seed", "3", "--out", str(out)]
@@ -88,6 +89,11 @@ def test_reduced_chaos_run(tmp_path):
     redone = summary["steps_redone"]  # a commit per step: a death costs at most the step
     assert redone["deaths"] >= 4 and redone["max"] <= 1, redone
     assert summary["result"]["size"] == 4 and summary["result"]["accuracy"] > 0.85, summary
+    # every rank's MPI_Finalize returned (2 of 4 once waited for their exit alarm, for lost
+    # replacements, while they held their world: fault_mode._finalize)
+    said = (out / "chaos" / "sgprun.out").read_bytes().decode(errors="replace")
+    assert "training completed on 4 ranks" in said, said[-3000:]
+    assert "did not return from MPI_Finalize" not in said, said[-3000:]
     # no process of the run outlives it (two of four runs here once left a rank that sat in
     # MPI_Comm_shrink, spinning, long after its job had ended: fault_mode._guard)
     began = time.monotonic()
