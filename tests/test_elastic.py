@@ -479,6 +479,14 @@ def test_sgprun_fault_tolerant_command():
     joined = " ".join(cmd)
     assert "mpi_ft_detector true" in joined and "mpi_ft_detector_timeout 6" in joined
     assert "mpi_ft_detector_period 1.5" in joined
+    # sgprun's own HVD_SGP_DETECTOR_TIMEOUT (which the ranks read too) sets ULFM's, as the flag
+    from test_runner import BASE_ENV
+    joined = " ".join(command(["-np", "4", "--fault-tolerant", "python", "x"],
+                              env={**BASE_ENV, "HVD_SGP_DETECTOR_TIMEOUT": "4"}))
+    assert "mpi_ft_detector_timeout 4" in joined and "mpi_ft_detector_period 1" in joined
+    with pytest.raises(launch.LaunchError, match="HVD_SGP_DETECTOR_TIMEOUT"):
+        command(["-np", "4", "--fault-tolerant", "python", "x"],
+                env={**BASE_ENV, "HVD_SGP_DETECTOR_TIMEOUT": "soon"})
     assert "HVD_SGP_FAULT_TOLERANT" in cmd  # forwarded to every rank
     with pytest.raises(launch.LaunchError, match="ULFM"):
         command(["-np", "4", "--fault-tolerant", "python", "x"], HYDRA)
@@ -710,8 +718,14 @@ def test_sgprun_discovers_hosts_before_the_launch():
     hosts = launch.discover(args, {"HOROVOD_ELASTIC_TIMEOUT": "30"}, run=lambda *_: next(found),
                             sleep=sleep, clock=lambda: clock[0])
     assert hosts == "a:1,b:4" and slept == [1.0]
-    # the ranks' poller waits as long for slots lost later
+    # the ranks' poller waits as long for slots lost later; sgprun's own HVD_SGP_ variable
+    # beats Horovod's, the flag beats both
     assert launch.sgp_environment(args)["HVD_SGP_ELASTIC_TIMEOUT"] == "30.0"
+    environ = {"HOROVOD_ELASTIC_TIMEOUT": "30", "HVD_SGP_ELASTIC_TIMEOUT": "40"}
+    for argv, expected in (([], 40.0), (["--elastic-timeout", "50"], 50.0)):
+        other = launch.parse_args(["-np", "1", "--host-discovery-script", "s.sh", *argv, "x"])
+        launch.discover(other, environ, run=lambda *_: [("a", 1)])
+        assert other.elastic_timeout == expected
     assert args.np == 4 and [(h.name, h.slots) for h in args.hosts] == [("a", 1), ("b", 4)]
     cmd = command(["-np", "2", "--fault-tolerant", "python", "x"])
     assert "state_base_recoverable" in cmd  # spawned jobs survive a lost or leaving process

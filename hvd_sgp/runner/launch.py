@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
 
 from hvd_sgp.common import discovery, fault_record
 from hvd_sgp.common.errors import OptionError
@@ -178,10 +178,8 @@ def discover(args: argparse.Namespace, environ: Mapping[str, str],
     if not args.fault_tolerant:
         raise LaunchError("--host-discovery-script needs --fault-tolerant (ranks join and "
                           "leave a running world)")
-    timeout = (args.elastic_timeout if args.elastic_timeout is not None else
-               float(environ.get("HOROVOD_ELASTIC_TIMEOUT") or BY_NAME["elastic_timeout"].default))
-    interval = (args.discovery_interval if args.discovery_interval is not None
-                else BY_NAME["discovery_interval"].default)
+    timeout = launcher_option(args, "elastic_timeout", environ, "HOROVOD_ELASTIC_TIMEOUT")
+    interval = launcher_option(args, "discovery_interval", environ)
     deadline = clock() + timeout
     while True:
         try:
@@ -380,10 +378,22 @@ def _openmpi_options(args: argparse.Namespace, site: Site, job_env: Mapping[str,
     return options
 
 
-def detector_timeout(args: argparse.Namespace) -> float:
-    """ULFM's heartbeat timeout for the job (--detector-timeout, else the option's default)."""
-    return (args.detector_timeout if args.detector_timeout is not None
-            else BY_NAME["detector_timeout"].default)
+def launcher_option(args: argparse.Namespace, name: str, environ: Mapping[str, str],
+                    horovod: Optional[str] = None) -> Any:
+    """An option sgprun itself acts on: its flag, else its HVD_SGP_* variable in sgprun's
+    environment (which the ranks read too, so both sides agree), else Horovod's variable
+    where it has one, else the option's default."""
+    given = getattr(args, name)
+    if given is not None:
+        return given
+    option = BY_NAME[name]
+    for variable in (option.env, horovod):
+        if variable and environ.get(variable, "").strip():
+            try:
+                return option.parse(environ[variable], variable)
+            except OptionError as exc:
+                raise LaunchError(str(exc)) from None
+    return option.default
 
 
 # Open MPI settings --fault-tolerant adds where the user set none (see fault_tolerant_options):
@@ -432,7 +442,7 @@ def fault_tolerant_options(args: argparse.Namespace, job_env: Mapping[str, str])
     repairs, none of 26 without the fence; docs/faults.md), and the ranks have already met
     at exit (``fault_mode._meet``), which is what the fence is for. The user's own setting of any of
     these, in --mpi-args or the job's environment (``job_env``), wins."""
-    timeout = detector_timeout(args)
+    timeout = launcher_option(args, "detector_timeout", job_env)
     given = shlex.split(args.mpi_args or "")
     named = {name for flag, name in zip(given, given[1:]) if flag in ("--mca", "-mca")}
     settings = [] if args.tcp or "btl" in named else ["--mca", "btl", "^sm,ofi"]
@@ -635,8 +645,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not args.fault_tolerant:
             return run(command, job_env)
         records = env[fault_record.VARIABLE]
-        status = run(command, job_env, lambda: head_grace(records, args.np,
-                                                          detector_timeout(args)))
+        detector = launcher_option(args, "detector_timeout", job_env)
+        status = run(command, job_env, lambda: head_grace(records, args.np, detector))
         return fault_tolerant_status(status, records, args.np)
 
 
