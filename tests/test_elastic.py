@@ -232,7 +232,7 @@ def test_host_discovery_grows_shrinks_and_moves_rank_0(tmp_path):
     PRRTE also runs locally): 5 slots capped by --max-np 4, two newcomers spawned on H. (2) The
     newcomer launched 3 is SIGKILLed: a replacement grows the world back to 4 on H. (3) H:1:
     the highest rank on H leaves with status 0, 3 ranks go on without a sync. (3b) The file is
-    emptied for six steps: fewer slots than --min-np, held back while training goes on. (4) H:3,
+    emptied for eight steps: fewer slots than --min-np, held back while training goes on. (4) H:3,
     localhost removed: ranks 0 and 1 leave, the rank on H becomes rank 0 (its poller takes
     over), two newcomers fill H. Every change interrupts every rank at the same commit; every
     entry holds one model and weights summing to the size; mpirun itself exits 0."""
@@ -241,10 +241,12 @@ def test_host_discovery_grows_shrinks_and_moves_rank_0(tmp_path):
         pytest.skip("needs a host name other than localhost that PRRTE runs locally")
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:2\n")
-    proc = sgprun(2, "elastic_discovery.py", "--steps", "36", "--hosts-file", str(hosts),
+    # 8 steps (1.6 s or more) between writes: rank 0's poller (every 1 s, plus the script's
+    # run) sees each list; with 4 it once missed (3) under load, (3b) coming first
+    proc = sgprun(2, "elastic_discovery.py", "--steps", "42", "--hosts-file", str(hosts),
                   "--change", f"5:localhost:2,{here}:3", "--kill", "3:10",
-                  "--change", f"18:localhost:2,{here}:1", "--change", "22:",
-                  "--change", f"28:{here}:3",
+                  "--change", f"18:localhost:2,{here}:1", "--change", "26:",
+                  "--change", f"34:{here}:3",
                   flags=("--min-np", "2", "--max-np", "4", "--host-discovery-script",
                          f"cat {hosts}"))
     output = expect_passed(proc, f"finished on 3 ranks, origins by rank [2, 5, 6], hosts by "

@@ -8,9 +8,10 @@ slots it finds, at most ``--max-np``), and hands the ranks what it found
 ``HVD_SGP_DISCOVERY_INTERVAL`` seconds (1 s, Horovod's period) in a thread of its own
 (``Poller``): a list with fewer than ``HVD_SGP_MIN_NP`` slots is held back while training goes
 on, for up to ``HVD_SGP_ELASTIC_TIMEOUT`` seconds, as horovodrun waits for slots (a file being
-rewritten reads empty for a moment); ``state.commit()`` broadcasts rank 0's latest result, so every rank sees a change
-at the same commit (hvd_sgp/common/horovod_api/elastic.py), and the runtime then grows or shrinks the world
-to the new hosts (runtime.resize). No MPI here: the launcher imports it.
+rewritten reads empty for a moment). ``state.commit()`` broadcasts rank 0's latest result, so
+every rank sees a change at the same commit (hvd_sgp/common/horovod_api/elastic.py), and the
+runtime then grows or shrinks the world to the new hosts (runtime.resize). No MPI here: the
+launcher imports it.
 """
 from __future__ import annotations
 
