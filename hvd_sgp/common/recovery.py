@@ -232,10 +232,13 @@ def leave() -> None:
 def _last_words(line: Optional[str] = None) -> None:
     """Print ``line`` on stderr and flush both streams before the process ends; where nobody
     reads them any more (the launcher gone: a broken pipe), end all the same."""
-    for stream, text in ((sys.stderr, line), (sys.stdout, None), (sys.stderr, None)):
+    if line is not None:
         try:
-            if text is not None:
-                stream.write(text + "\n")
+            print(line, file=sys.stderr)
+        except OSError:
+            pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
             stream.flush()
         except OSError:
             pass

@@ -32,6 +32,7 @@ from hvd_sgp.common import discovery, fault_record
 from hvd_sgp.common.errors import OptionError
 from hvd_sgp.common.options import BY_NAME, OPTIONS  # importing the core does not start MPI
 from hvd_sgp.common.options import environment as options_environment
+from hvd_sgp.common.options import from_environment as options_from_environment
 from hvd_sgp.runner import horovod_flags
 from hvd_sgp.runner.hosts import Host, parse_hosts, read_hostfile  # noqa: F401 (public here too)
 
@@ -387,13 +388,13 @@ def launcher_option(args: argparse.Namespace, name: str, environ: Mapping[str, s
     if given is not None:
         return given
     option = BY_NAME[name]
-    for variable in (option.env, horovod):
-        if variable and environ.get(variable, "").strip():
-            try:
-                return option.parse(environ[variable], variable)
-            except OptionError as exc:
-                raise LaunchError(str(exc)) from None
-    return option.default
+    try:
+        own = environ.get(option.env, "").strip()
+        if horovod and not own and environ.get(horovod, "").strip():
+            return option.parse(environ[horovod], horovod)
+        return options_from_environment(name, environ)
+    except OptionError as exc:
+        raise LaunchError(str(exc)) from None
 
 
 # Open MPI settings --fault-tolerant adds where the user set none (see fault_tolerant_options):
