@@ -36,17 +36,22 @@ hvd.init()
 torch.manual_seed(args.seed)
 torch.set_num_threads(1)
 launch_rank = hvd.rank()
+if torch.cuda.is_available():  # ranks may share the GPUs (as Horovod's examples pin them)
+    torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 x_train, x_test, y_train, y_test = map(torch.from_numpy, digits_data.split(0.25, seed=0))
+x_test, y_test = x_test.to(device), y_test.to(device)
 train_set = torch.utils.data.TensorDataset(x_train, y_train)
 sampler = hvd.elastic.ElasticSampler(train_set, seed=args.seed)
 loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
 
-model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                            torch.nn.Linear(64, 10)).to(device)
 optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(),
                             momentum=args.momentum)
 optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
-events = {"resumed": None}
+events = {"resumed": None, "began": None}
 
 
 def evaluate() -> float:
@@ -57,14 +62,18 @@ def evaluate() -> float:
 
 @hvd.elastic.run
 def train(state):
+    if events["began"] is None:  # a replacement (--max-np) begins at the last commit
+        events["began"] = state.step
     for state.epoch in range(state.epoch, args.epochs):
         for batch, (data, target) in enumerate(loader):
-            if state.step == args.kill_step and launch_rank == args.kill_rank:
+            if (state.step == args.kill_step and launch_rank == args.kill_rank
+                    and events["began"] < args.kill_step):
                 print(f"rank {launch_rank} dies at step {state.step} at {time.time():.3f}",
                       flush=True)
                 if args.kill_how == "sigkill":
                     os.kill(os.getpid(), signal.SIGKILL)
                 os._exit(1)
+            data, target = data.to(device), target.to(device)
             optimizer.zero_grad()
             F.cross_entropy(model(data), target).backward()
             optimizer.step()
