@@ -67,9 +67,12 @@ VARIANTS = {
 
 @checks
 def check_every_exchange_ends_at_the_sample_weighted_optimum():
+    """300 steps leave e^(-0.02 * 300) = 0.25% of the start; the rest is the consensus error
+    of the order of lr, which more steps do not shrink (at 4 ranks, 1000 steps left the same
+    distances within 0.005, Overlap SGP's timing aside)."""
     for name, sgp in VARIANTS.items():
-        weighted, _, _ = train(1000, samples=SAMPLES[me], **sgp)
-        plain, _, _ = train(1000, **sgp)
+        weighted, _, _ = train(300, samples=SAMPLES[me], **sgp)
+        plain, _, _ = train(300, **sgp)
         off, off_plain = (float(np.linalg.norm(weighted - WEIGHTED)),
                           float(np.linalg.norm(plain - PLAIN)))
         checks.verify(f"{name}: |z - weighted optimum| = {off:.4f}, without samples_per_step "
