@@ -1,0 +1,32 @@
+"""Where the suite's time and CPU go, by file, from a record of HVD_SGP_SUITE_CPU (see
+tests/conftest.py): python scripts/suite_cpu.py FILE [TOP]
+
+Prints the totals (wall, CPU, the cores busy on average), then per file, then the TOP slowest
+tests (20 by default)."""
+import collections
+import json
+import sys
+
+
+def main(path: str, top: int = 20) -> None:
+    rows = [json.loads(line) for line in open(path, encoding="utf-8")]
+    for row in rows:
+        row["cpu"] = row["cpu_pytest"] + row["cpu_processes"]
+    files: dict = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    for row in rows:
+        entry = files[row["test"].split("::")[0]]
+        entry[0] += 1
+        entry[1] += row["wall"]
+        entry[2] += row["cpu"]
+    wall, cpu = sum(r["wall"] for r in rows), sum(r["cpu"] for r in rows)
+    print(f"{len(rows)} tests: {wall:.0f} s wall, {cpu:.0f} s CPU, {cpu / wall:.2f} cores busy")
+    print(f"{'file':44s} {'tests':>5s} {'wall s':>7s} {'CPU s':>7s} {'cores':>5s}")
+    for name, (count, w, c) in sorted(files.items(), key=lambda item: -item[1][1]):
+        print(f"{name:44s} {count:5d} {w:7.1f} {c:7.1f} {c / max(w, 1e-9):5.2f}")
+    print()
+    for row in sorted(rows, key=lambda r: -r["wall"])[:top]:
+        print(f"{row['wall']:7.1f} s {row['cpu']:7.1f} s CPU  {row['test']}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], *map(int, sys.argv[2:3]))
