@@ -1,4 +1,4 @@
-"""Where the suite's time and CPU go, by file, from a record of HVD_SGP_SUITE_CPU (see
+"""Where the suite's time and CPU go, by file, from a record of SUITE_CPU_RECORD (see
 tests/conftest.py): python scripts/suite_cpu.py FILE [TOP]
 
 Prints the totals (wall, CPU, the cores busy on average), then per file, then the TOP slowest

@@ -6,10 +6,11 @@ the test helpers from this checkout. Where the environment turns bytecode cachin
 modules again: 0.16 s of CPU per process, measured. The launched processes may cache them
 (in __pycache__/, which git ignores).
 
-CPU per test: with HVD_SGP_SUITE_CPU=FILE, each test appends a JSON line to FILE with its wall
+CPU per test: with SUITE_CPU_RECORD=FILE, each test appends a JSON line to FILE with its wall
 time and the CPU of pytest and of the processes it started and reaped (mpirun reaps its
 ranks). On a 2-core machine the suite is bound by CPU, not by waits (docs/faults.md), and the
-CPU says where a change can gain.
+CPU says where a change can gain. (Not an HVD_SGP_* name: some tests check every HVD_SGP_*
+variable their ranks see.)
 """
 import json
 import os
@@ -19,7 +20,7 @@ import time
 import pytest
 
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-CPU_RECORD = os.environ.get("HVD_SGP_SUITE_CPU", "")
+CPU_RECORD = os.environ.get("SUITE_CPU_RECORD", "")
 
 
 def _cpu() -> tuple[float, float]:
