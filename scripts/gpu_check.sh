@@ -24,6 +24,7 @@ fi
 # 40; the survivors repair the world, spawn a replacement (--max-np 3) that builds its model on
 # CUDA, hand it their state, and finish on 3 ranks.
 log=$(mktemp)
+trap 'rm -f "$log"' EXIT
 timeout 200 "$python" -m hvd_sgp.runner.launch --mpi-launcher "$mpirun" -np 3 --max-np 3 \
     --local-size 1 --fault-tolerant "$python" examples/elastic_digits.py --epochs 3 \
     --kill-rank 2 --kill-step 40 --kill-how sigkill >"$log" 2>&1 || { cat "$log"; exit 1; }

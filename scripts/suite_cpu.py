@@ -9,7 +9,8 @@ import sys
 
 
 def main(path: str, top: int = 20) -> None:
-    rows = [json.loads(line) for line in open(path, encoding="utf-8")]
+    with open(path, encoding="utf-8") as record:
+        rows = [json.loads(line) for line in record]
     for row in rows:
         row["cpu"] = row["cpu_pytest"] + row["cpu_processes"]
     files: dict = collections.defaultdict(lambda: [0, 0.0, 0.0])
