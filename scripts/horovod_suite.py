@@ -49,6 +49,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from hvd_sgp.runner import session_dirs
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_PEER = os.path.join(os.path.dirname(ROOT), "shared", "peer")
 TEST_FILE = os.path.join("horovod", "test", "parallel", "test_torch.py")
@@ -207,6 +209,7 @@ def launch(tests: Sequence[str], test_file: str, env: dict, np: int, limit: floa
                     break
         _stop(process, report)
         process.wait()
+        session_dirs.reclaim(env)  # a killed mpirun's, before a later mpirun gets its pid
     return Launch(read_reports(report, np), True, process.returncode, log)
 
 

@@ -11,6 +11,10 @@ time and the CPU of pytest and of the processes it started and reaped (mpirun re
 ranks). On a 2-core machine the suite is bound by CPU, not by waits (docs/faults.md), and the
 CPU says where a change can gain. (Not an HVD_SGP_* name: some tests check every HVD_SGP_*
 variable their ranks see.)
+
+Killed mpiruns: each test starts with none of their session directories left on this machine
+(hvd_sgp/runner/session_dirs.py: a later mpirun given the same pid would stop before starting
+a rank). The suite kills heads on purpose, and a machine may hold other runs' leftovers.
 """
 import json
 import os
@@ -18,6 +22,8 @@ import resource
 import time
 
 import pytest
+
+from hvd_sgp.runner import session_dirs
 
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 CPU_RECORD = os.environ.get("SUITE_CPU_RECORD", "")
@@ -41,3 +47,7 @@ def pytest_runtest_protocol(item, nextitem):
         record.write(json.dumps({"test": item.nodeid, "wall": round(time.monotonic() - began, 2),
                                  "cpu_pytest": round(own_after - own, 2),
                                  "cpu_processes": round(reaped_after - reaped, 2)}) + "\n")
+
+
+def pytest_runtest_setup(item):
+    session_dirs.reclaim(os.environ)

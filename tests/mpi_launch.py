@@ -7,15 +7,13 @@ import signal
 import shlex
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Iterable
 
+from hvd_sgp.runner import session_dirs
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-# PRRTE's own start-up failing before any rank runs (seen once in CI, exit 213): the launch
-# is tried again once; nothing of the script ran, so nothing it checks is hidden.
-LAUNCHER_DID_NOT_START = "The PMIx server's listener thread failed to start"
 
 
 def mpirun_path() -> str:
@@ -38,12 +36,8 @@ def run_mpi(n: int, script: str, *args: str, env: dict | None = None, timeout: f
     environ.update(env or {})
     command = [mpirun_path(), "-np", str(n), "--bind-to", "none", sys.executable,
                str((HERE / script).resolve()), *args]
-    for _ in range(2):
-        proc = subprocess.run(command, env=environ, capture_output=True, text=True,
-                              timeout=timeout, cwd=REPO)
-        if not (proc.returncode and not proc.stdout and LAUNCHER_DID_NOT_START in proc.stderr):
-            break
-        time.sleep(2)  # the previous launcher's sockets go first
+    proc = subprocess.run(command, env=environ, capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} on {n} ranks exited {proc.returncode}\n"
                              f"--- stdout ---\n{proc.stdout[-6000:]}\n"
@@ -137,7 +131,8 @@ def run_checked(*command, **kwargs) -> str:
 
 def run_bounded(cmd: list, timeout: float, what: str, **popen) -> subprocess.CompletedProcess:
     """Run ``cmd`` (a launcher: sgprun, salloc) to its end; past ``timeout`` kill it and
-    every process below it (no orphans hold the machine) and fail naming ``what``."""
+    every process below it (no orphans hold the machine; no killed mpirun's session directory
+    waits for the next mpirun given its pid) and fail naming ``what``."""
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           **popen) as proc:
         try:
@@ -149,6 +144,7 @@ def run_bounded(cmd: list, timeout: float, what: str, **popen) -> subprocess.Com
                 except ProcessLookupError:
                     pass
             out, err = proc.communicate()
+            session_dirs.reclaim(popen.get("env") or os.environ)
             raise AssertionError(f"{what} timed out after {timeout} s\n{out[-4000:]}\n"
                                  f"{err[-4000:]}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -153,10 +153,12 @@ def test_a_frozen_head_does_not_hold_sgprun_forever(tmp_path):
     script.write_text(HEAD_FREEZER)
     cmd = [sys.executable, "-m", "hvd_sgp.runner.launch", "-np", "2", "--fault-tolerant",
            "--detector-timeout", "4", sys.executable, str(script)]
-    proc = run_bounded(cmd, 120, "sgprun with a frozen head", env=environment(),
-                       cwd=str(tmp_path))
+    proc = run_bounded(cmd, 120, "sgprun with a frozen head",
+                       env=dict(environment(), TMPDIR=str(tmp_path)), cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "has not exited 10 s later (frozen or hung): killed" in proc.stderr, proc.stderr
+    # The killed head's session directory is gone with it (session_dirs).
+    assert not list(tmp_path.glob("ompi.*")), list(tmp_path.glob("ompi.*"))
     assert ("training completed on 2 ranks; rank(s) [0, 1] did not return from MPI_Finalize "
             "and were ended by their exit alarm") in proc.stderr, proc.stderr
 
@@ -179,7 +181,7 @@ def test_ranks_whose_launcher_is_gone_exit(tmp_path):
     script.write_text(ORPHAN)
     cmd = [sys.executable, "-m", "hvd_sgp.runner.launch", "-np", "2", "--fault-tolerant",
            "--detector-timeout", "4", sys.executable, str(script), str(tmp_path)]
-    job = subprocess.Popen(cmd, env=environment(), cwd=str(tmp_path),
+    job = subprocess.Popen(cmd, env=dict(environment(), TMPDIR=str(tmp_path)), cwd=str(tmp_path),
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ranks: list = []  # (pid, parent pid) of each rank
     try:

@@ -23,6 +23,7 @@ from hvd_sgp.common import discovery, fault_record
 from hvd_sgp.runner import launch
 from mpi_launch import HERE, REPO, run_bounded, run_mpi
 from test_runner import OPEN_MPI_5, HYDRA, command
+from test_session_dirs import left_by_killed_head
 
 DETECTOR = "8"  # seconds (the default); os._exit is noticed after it, SIGKILL at once
 
@@ -646,13 +647,17 @@ def test_the_head_is_given_the_exit_alarms_the_ranks_recorded(tmp_path, capsys):
 
     answers = iter([None, None, 9.0] + [0.5] * 100)
     frozen = subprocess.Popen(["sleep", "60"])
+    heads = tmp_path / "tmp"
+    left = left_by_killed_head(heads, frozen.pid)  # as if the sleeper were a prterun
     began = time.monotonic()
-    status = launch._wait_for_head(frozen, lambda: next(answers), poll=0.1)
+    status = launch._wait_for_head(frozen, lambda: next(answers), {"TMPDIR": str(heads)},
+                                   poll=0.1)
     waited = time.monotonic() - began
     assert status == -9 and 0.7 < waited < 2.0, (status, waited)  # 0.5 s after the change
     assert "has not exited 0 s later (frozen or hung): killed" in capsys.readouterr().err
+    assert not left.exists()  # the killed head's session directory went with it
     healthy = subprocess.Popen(["sleep", "0.3"])
-    assert launch._wait_for_head(healthy, lambda: 5.0, poll=0.1) == 0
+    assert launch._wait_for_head(healthy, lambda: 5.0, {}, poll=0.1) == 0
 
 
 def test_discovery_script_output_and_errors():

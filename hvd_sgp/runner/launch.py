@@ -33,7 +33,7 @@ from hvd_sgp.common.errors import OptionError
 from hvd_sgp.common.options import BY_NAME, OPTIONS  # importing the core does not start MPI
 from hvd_sgp.common.options import environment as options_environment
 from hvd_sgp.common.options import from_environment as options_from_environment
-from hvd_sgp.runner import horovod_flags
+from hvd_sgp.runner import horovod_flags, session_dirs
 from hvd_sgp.runner.hosts import Host, parse_hosts, read_hostfile  # noqa: F401 (public here too)
 
 FORWARD_PREFIXES = ("HVD_SGP_", "HOROVOD_", "NCCL_")
@@ -571,7 +571,7 @@ def run(command: Sequence[str], env: Mapping[str, str],
     previous = {signum: signal.signal(signum, forward) for signum in stopping}
     try:
         return exit_status(process.wait() if ended is None
-                           else _wait_for_head(process, ended))
+                           else _wait_for_head(process, ended, env))
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -590,12 +590,13 @@ def head_grace(records: str, ranks: int, detector: float) -> Optional[float]:
 
 
 def _wait_for_head(process: subprocess.Popen, ended: Callable[[], Optional[float]],
-                   poll: float = 1.0) -> int:
+                   env: Mapping[str, str], poll: float = 1.0) -> int:
     """Wait for the head, but not for one that outlives the ranks. A frozen head (SIGSTOP, a
     hung node) never exits by itself: the ranks train on without it, then wait in
     MPI_Finalize for its PMIx server until their exit alarm ends them; nothing is left for
     the head to do. ``ended()`` gives the seconds allowed, counted from when it last changed (the
-    ranks' alarms arrive after their ``finished`` records)."""
+    ranks' alarms arrive after their ``finished`` records). A killed head cannot remove its
+    session directory: sgprun does (session_dirs)."""
     since, grace = None, None
     while True:
         try:
@@ -610,7 +611,19 @@ def _wait_for_head(process: subprocess.Popen, ended: Callable[[], Optional[float
                   f"exited {grace:.0f} s later (frozen or hung): killed; the ranks' records "
                   "give the job's status", file=sys.stderr, flush=True)
             process.kill()
-            return process.wait()
+            status = process.wait()
+            session_dirs.remove(process.pid, env)
+            return status
+
+
+def _reclaim_session_dirs(job_env: Mapping[str, str]) -> None:
+    """Remove what killed mpiruns left, before an mpirun whose pid may be theirs meets it."""
+    removed = session_dirs.reclaim(job_env)
+    if removed:
+        print(f"sgprun: removed {len(removed)} session directories of killed mpiruns from "
+              f"{removed[0].parent} (ompi.<pid>: a new mpirun given that pid would stop with "
+              "\"The PMIx server's listener thread failed to start\")",
+              file=sys.stderr, flush=True)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -643,6 +656,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             os.makedirs(os.path.dirname(os.path.abspath(args.output_filename)), exist_ok=True)
         if args.verbose:
             print(shlex.join(command), file=sys.stderr, flush=True)
+        if site.flavour == "openmpi":
+            _reclaim_session_dirs(job_env)
         if not args.fault_tolerant:
             return run(command, job_env)
         records = env[fault_record.VARIABLE]
