@@ -1,5 +1,6 @@
-"""The layers of hvd_sgp/common stay layers: its import graph (module-level imports, those under
-``if TYPE_CHECKING`` left out) has no cycle and at most 8 levels (docs/architecture.md)."""
+"""What hvd_sgp/common's source must show: its layers stay layers (the import graph, module-level
+imports, those under ``if TYPE_CHECKING`` left out, has no cycle and at most 8 levels:
+docs/architecture.md), and no reduction goes through mpi4py's object methods (mpi.py)."""
 import ast
 from pathlib import Path
 
@@ -59,3 +60,28 @@ def test_the_graph_sees_imports():
     edges = graph()
     assert "hvd_sgp.common.transport" in edges["hvd_sgp.common.engine"]
     assert "hvd_sgp.common.engine" not in edges["hvd_sgp.common.checkpoint"]
+
+
+OBJECT_REDUCTIONS = {"allreduce", "reduce", "scan", "exscan"}
+NOT_A_COMMUNICATOR = ("np.", "collectives")  # numpy's ufunc.reduce, the Horovod-API arrays
+
+
+def object_reductions(source: str) -> list[str]:
+    """Calls ``x.allreduce(...)`` and its kin whose ``x`` may be a communicator."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in OBJECT_REDUCTIONS
+                and not ast.unparse(node.func.value).startswith(NOT_A_COMMUNICATOR)):
+            found.append(f"line {node.lineno}: {ast.unparse(node.func)}")
+    return found
+
+
+def test_common_reduces_with_mpi_collectives_a_revoke_reaches():
+    """mpi4py's comm.allreduce runs point to point on a private duplicate that ULFM's revoke
+    does not reach: a survivor can wait in it for ever (hvd_sgp/common/mpi.py)."""
+    assert object_reductions("world.allreduce(steps, op=MPI.MAX)\nnp.add.reduce(x)\n"
+                             "collectives.allreduce(flag)\ncross.scan(1)") == [
+        "line 1: world.allreduce", "line 4: cross.scan"]
+    found = {path.name: object_reductions(path.read_text()) for path in modules().values()}
+    assert not {name: calls for name, calls in found.items() if calls}

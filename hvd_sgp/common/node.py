@@ -121,10 +121,12 @@ def exact_average(buffer, cross: MPI.Comm, local: Optional[MPI.Comm],
         weight = float(buffer[-1])
         numerators = (np.multiply(shard, weight, out=room) if room is not None
                       else shard * weight)
+        weights = np.array([weight])
         if cross.Get_size() > 1:
             part.kit.ready(numerators)
             cross.Allreduce(MPI.IN_PLACE, numerators, op=MPI.SUM)
-        numerators /= cross.allreduce(weight)
+            cross.Allreduce(MPI.IN_PLACE, weights, op=MPI.SUM)  # (not cross.allreduce: mpi.py)
+        numerators /= weights[0]
     shard[...] = numerators
     buffer[-1] = 1
     part.gather()

@@ -115,8 +115,9 @@ class Repair:
 
         def reset() -> None:
             _abandon(engine)
-            steps = int(engine.world.allreduce(engine.steps, op=MPI.MAX))
-            engine.checkpoint.restart(steps, engine.epoch, engine.outer.state())
+            steps = np.array([engine.steps], dtype=np.int64)
+            engine.world.Allreduce(MPI.IN_PLACE, steps, op=MPI.MAX)  # (not .allreduce: mpi.py)
+            engine.checkpoint.restart(int(steps[0]), engine.epoch, engine.outer.state())
         engine.guard(reset, "resetting the PushSum weights")
 
     def _mass(self) -> list:
