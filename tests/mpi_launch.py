@@ -10,8 +10,6 @@ import sys
 from pathlib import Path
 from typing import Iterable
 
-from hvd_sgp.runner import session_dirs
-
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
@@ -131,8 +129,7 @@ def run_checked(*command, **kwargs) -> str:
 
 def run_bounded(cmd: list, timeout: float, what: str, **popen) -> subprocess.CompletedProcess:
     """Run ``cmd`` (a launcher: sgprun, salloc) to its end; past ``timeout`` kill it and
-    every process below it (no orphans hold the machine; no killed mpirun's session directory
-    waits for the next mpirun given its pid) and fail naming ``what``."""
+    every process below it (no orphans hold the machine) and fail naming ``what``."""
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           **popen) as proc:
         try:
@@ -144,7 +141,6 @@ def run_bounded(cmd: list, timeout: float, what: str, **popen) -> subprocess.Com
                 except ProcessLookupError:
                     pass
             out, err = proc.communicate()
-            session_dirs.reclaim(popen.get("env") or os.environ)
             raise AssertionError(f"{what} timed out after {timeout} s\n{out[-4000:]}\n"
                                  f"{err[-4000:]}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

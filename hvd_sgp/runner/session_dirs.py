@@ -66,14 +66,10 @@ def _head_alive(pid: int) -> bool:
     return comm in HEADS
 
 
-def _left_over(directory: Path, pid: int) -> bool:
-    return _owned_here(directory, pid) and not _head_alive(pid)
-
-
 def remove(pid: int, env: Mapping[str, str]) -> bool:
     """Remove the directory of the head ``pid`` that sgprun killed; whether there was one."""
     directory = base(env) / f"ompi.{pid}"
-    if not _left_over(directory, pid):
+    if not _owned_here(directory, pid) or _head_alive(pid):
         return False
     shutil.rmtree(directory, ignore_errors=True)
     return True
@@ -87,12 +83,6 @@ def reclaim(env: Mapping[str, str]) -> list[Path]:
         entries = os.listdir(root)
     except OSError:
         return []
-    removed = []
-    for name in entries:
-        match = NAME.fullmatch(name)
-        if not match:
-            continue
-        if _left_over(root / name, int(match.group(1))):
-            shutil.rmtree(root / name, ignore_errors=True)
-            removed.append(root / name)
-    return removed
+    matches = (NAME.fullmatch(name) for name in entries)
+    return [root / match.group(0) for match in matches
+            if match and remove(int(match.group(1)), env)]
