@@ -5,7 +5,7 @@
 launches examples/chaos_train.py (digits, Horovod's elastic API, a commit per step) and, one
 after another, orders a random rank to die: how (SIGKILL, ``os._exit(1)``, SIGSTOP), who (any
 rank, rank 0, a node's local master, the replacement spawned last, a survivor while the others
-repair) and when (between steps, in the in-node reduce, the SGP exchange, an AllReduce stage,
+repair, a warm spare waiting to be called up under ``--spares``) and when (between steps, in the in-node reduce, the SGP exchange, an AllReduce stage,
 a Horovod collective, ``hvd.join()``, a commit). A frozen rank is resumed ``--stop-seconds``
 later (it then finds itself excluded and leaves). The next failure comes once the world is
 whole again and a few steps have passed.
@@ -39,7 +39,7 @@ KINDS = ("kill", "exit", "stop")
 MOMENTS = ("step", "in-node", "gossip", "allreduce", "collective", "join", "commit")
 ORDER_SECONDS = 30.0
 MAX_ACCURACY_LOSS = 0.01  # below the failure-free run's final accuracy (issue 26)
-VICTIMS = ("any", "rank0", "local-master", "replacement", "mid-repair")
+VICTIMS = ("any", "rank0", "local-master", "replacement", "mid-repair", "spare")
 
 
 class ChaosFailed(RuntimeError):
@@ -53,6 +53,8 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--failures", type=int, default=20)
     p.add_argument("--no-replace", action="store_true", help="without --max-np: the world "
                    "shrinks by one each failure, to 3 ranks (the repair alone, no spawn)")
+    p.add_argument("--spares", type=int, default=0, help="sgprun's --spares: warm spares "
+                   "that replace lost ranks (with replacements only)")
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--moments", default=",".join(MOMENTS))
     p.add_argument("--victims", default=",".join(VICTIMS))
@@ -101,7 +103,8 @@ def launch(args: argparse.Namespace, run_dir: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "hvd_sgp.runner.launch", "-np", str(args.np),
            "--fault-tolerant"]
     if not args.no_replace:
-        cmd += ["--max-np", str(args.np)]
+        cmd += ["--max-np", str(args.np)] + (["--spares", str(args.spares)] if args.spares
+                                             else [])
     if args.detector_timeout is not None:
         cmd += ["--detector-timeout", f"{args.detector_timeout:g}"]
     cmd += [sys.executable, os.path.join(HERE, "chaos_train.py"), "--dir", run_dir,
@@ -162,6 +165,8 @@ class Chaos:
             pool = [o for o, i in current.items() if i["local_rank"] == 0]
         elif victim == "replacement":
             pool = [max(current)] if max(current) >= self.args.np else []
+        elif victim == "spare":  # (a pid: a waiting spare has no origin yet)
+            pool = waiting_spares(self.dir, {info["pid"] for info in alive.values()})
         else:
             pool = list(current)
         return (self.rng.choice(pool), victim) if pool else None
@@ -172,6 +177,13 @@ class Chaos:
             return False
         origin, victim = chosen
         kind, moment = self.rng.choice(self.args.kinds), self.rng.choice(self.args.moments)
+        if victim == "spare":  # it runs no step: killed or stopped by signal, here
+            kind = "stop" if kind == "stop" else "kill"
+            self.planned.append((time.time(), origin, kind, victim, "waiting", origin))
+            self.signal(origin, signal.SIGSTOP if kind == "stop" else signal.SIGKILL)
+            if kind == "stop":
+                self.stopped.append((time.time() + self.args.stop_seconds, origin))
+            return True
         if victim == "mid-repair":  # two at once: a first death, then a survivor by signal
             others = [o for o in alive if o != origin]
             second = self.rng.choice(others)
@@ -264,6 +276,22 @@ class Chaos:
         return waiting
 
 
+def waiting_spares(run_dir: str, ranks: set) -> list:
+    """The pids of this run's warm spares still waiting (``python -m hvd_sgp.spare`` with
+    the run's directory in its command line, not yet a rank)."""
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if (b"hvd_sgp.spare" in argv and run_dir.encode() in argv
+                and int(name) not in ranks and int(name) != os.getpid()):
+            found.append(int(name))
+    return sorted(found)
+
+
 def ranks_pid(run_dir: str, origin: int) -> Optional[int]:
     try:
         with open(os.path.join(run_dir, "ranks", str(origin))) as f:
@@ -304,6 +332,7 @@ def summarize(run_dir: str, chaos: Chaos, wall: float, step_seconds: Optional[fl
         "by_kind": count(d[2] for d in deaths),
         "by_moment": count(d[3] for d in deaths),
         "by_victim": count(p[3] for p in chaos.planned),
+        "spares_lost": sum(1 for p in chaos.planned if p[3] == "spare"),  # (not in failures)
         "orders_withdrawn": chaos.withdrawn,
         "recovery_seconds": {k: {"n": len(v), "p50": percentile(v, 50),
                                  "p95": percentile(v, 95), "max": max(v)}

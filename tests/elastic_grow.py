@@ -7,9 +7,9 @@ step). ``--kill ORIGIN:STEP`` makes the process launched as rank ORIGIN die at t
 ``hvd.join()`` that ``--join-every K`` puts after every K steps (``--kill-in-join``, so that
 the replacement's first use of the optimizer is a join()), or ``--freeze ORIGIN:STEP`` makes it
 stop itself (SIGSTOP, never resumed: found by a peer on its machine, stopped.py); the survivors
-repair, spawn
-a replacement, which runs this same script from the top and joins at the survivors'
-``state.sync()``. Every (re)entry of the training function checks what the join promises:
+repair, spawn a replacement (or call up a warm spare: ``sgprun --spares``; ``--spares-die``
+makes every spare kill or stop itself first), which runs this same script from the top and joins at
+the survivors' ``state.sync()``. Every (re)entry of the training function checks what the join promises:
 every rank holds rank 0's parameters and PushSum weight 1, so the weights sum to the world's
 size. With ``--lr-zero`` (pure mixing) the de-biased average is conserved from there to the
 end: the replacement added no mass and none was counted twice. Rank 0 prints the figures;
@@ -18,12 +18,18 @@ a broken promise raises on every rank.
 import argparse
 import os
 import signal
+import sys
 import time
 
-import torch
+from hvd_sgp.common import runtime, spares
 
-import hvd_sgp.torch as hvd
-from hvd_sgp.common import runtime
+if spares.waiting() and "--spares-die" in sys.argv:  # a warm spare dies before it is needed
+    os.kill(os.getpid(), {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}[
+        sys.argv[sys.argv.index("--spares-die") + 1]])
+
+import torch  # noqa: E402
+
+import hvd_sgp.torch as hvd  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--np", type=int, required=True, help="ranks at launch")
@@ -34,6 +40,8 @@ parser.add_argument("--overlap", action="store_true")
 parser.add_argument("--join-every", type=int, default=0, metavar="K")
 parser.add_argument("--kill-in-join", action="append", default=[], metavar="ORIGIN:STEP")
 parser.add_argument("--freeze", action="append", default=[], metavar="ORIGIN:STEP")
+parser.add_argument("--spares-die", choices=("kill", "stop"), help="every warm spare (sgprun "
+                    "--spares) kills or stops itself (SIGKILL, SIGSTOP) as it starts")
 args = parser.parse_args()
 kills = {tuple(int(x) for x in item.split(":")) for item in args.kill}
 kills_in_join = {tuple(int(x) for x in item.split(":")) for item in args.kill_in_join}

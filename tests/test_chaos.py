@@ -80,7 +80,8 @@ def test_reduced_chaos_run(tmp_path):
     MPI_Finalize returned."""
     out = tmp_path / "chaos"
     cmd = [sys.executable, str(REPO / "examples" / "chaos.py"), "--np", "4", "--local-size",
-           "2", "--failures", "8", "--epochs", "10", "--seed", "3", "--out", str(out)]
+           "2", "--failures", "8", "--epochs", "10", "--seed", "3", "--spares", "1",
+           "--out", str(out)]
     proc = run_bounded(cmd, 900, "chaos.py", env=environment(), cwd=str(REPO))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     summary = json.loads((out / "summary.json").read_text())

@@ -171,6 +171,58 @@ def test_grow_back_at_8_ranks_replaces_a_replacement():
           f"(SIGKILL of the replacement)")
 
 
+def _started_before_its_death(output: str, origin: int, victim: int) -> bool:
+    started = float(re.search(rf"replacement origin {origin} started at ([0-9.]+)",
+                              output).group(1))
+    died = float(re.search(rf"origin {victim} dies at step \d+ at ([0-9.]+)", output).group(1))
+    return started < died
+
+
+def test_warm_spares_replace_lost_ranks_and_the_pool_is_refilled():
+    """sgprun --spares 2: two spares start with the job and wait in hvd.init(). Rank 2 dies
+    (os._exit) at step 5, rank 0 (SIGKILL) at step 12: each is replaced by a spare already
+    running before the death (the second called up by a rank that was not rank 0 at launch,
+    and refilled after the first), the mass is kept, and the spares still waiting at the end
+    are dismissed: no process of the run outlives it."""
+    proc = grow(4, "1", "--kill", "2:5", "--kill", "0:12", "--lr-zero",
+                flags=("--max-np", "4", "--spares", "2"))
+    output = expect_passed(proc, "grow checks passed on 4 ranks")
+    assert output.count("1 replacement(s) joined (rank(s) [") == 2, output[-3000:]
+    assert output.count("1 from warm spares): back to 4 ranks") == 2, output[-3000:]
+    assert _started_before_its_death(output, 4, 2), output[-3000:]
+    assert _started_before_its_death(output, 5, 0), output[-3000:]
+    assert "origins by rank [1, 5, 4, 3]" in output and "sum of weights 4" in output
+    began = time.monotonic()
+    while (left := _processes("elastic_grow.py")) and time.monotonic() - began < 15:
+        time.sleep(0.5)
+    assert not left, f"processes of the run still alive after it ended: {left}"
+    print(f"grow back from a warm spare: kill to the first step on 4 ranks "
+          f"{kill_to_back(output, 2):.2f} s (os._exit), {kill_to_back(output, 0):.2f} s "
+          f"(SIGKILL of rank 0)")
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_a_dead_or_stopped_spare_is_passed_over_and_a_replacement_spawned(how):
+    """sgprun --spares 1, every spare killing or stopping itself (SIGKILL, SIGSTOP) as it
+    starts: when rank 2 dies at step 5 the survivors find the spare dead, or get no answer
+    from the stopped one (killed by the stopped-peer sentinel after the detector's timeout:
+    ULFM does not watch it), and spawn the replacement, as without spares. The job ends on
+    4 ranks: the spare refilled after the grow, dead or stopped too, holds up no one's exit
+    (a stopped one is killed at the dismissal) and outlives nothing."""
+    proc = grow(4, "1", "--kill", "2:5", "--spares-die", how,
+                flags=("--max-np", "4", "--spares", "1"))
+    output = expect_passed(proc, "grow checks passed on 4 ranks")
+    assert "1 replacement(s) joined (rank(s) [2]): back to 4 ranks" in output, output[-3000:]
+    assert not _started_before_its_death(output, 4, 2), output[-3000:]
+    assert "did not return from MPI_Finalize" not in output, output[-3000:]
+    assert not _processes("elastic_grow.py"), output[-3000:]
+
+
+def _processes(marker: str) -> list:
+    found = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True)
+    return [line for line in found.stdout.splitlines() if "pgrep" not in line]
+
+
 def test_a_stopped_replacement_is_killed_and_replaced():
     """ULFM's detector does not watch a spawned replacement (its own MPI job): rank 2 dies at
     step 3, its replacement (launch rank 4) stops itself (SIGSTOP) at step 8 and is never
@@ -514,6 +566,48 @@ def test_sgprun_grow_back_flags():
         launch.validate(args)
     no = launch.parse_args(["-np", "4", "--max-np", "6", "--no-fault-tolerant", "python"])
     assert not no.fault_tolerant
+
+
+def test_sgprun_spares_flag():
+    """--spares reaches every rank, and only where lost ranks are replaced."""
+    args = launch.parse_args(["-np", "4", "--max-np", "4", "--spares", "2", "python"])
+    launch.validate(args)
+    assert launch.sgp_environment(args)["HVD_SGP_SPARES"] == "2"
+    alone = launch.parse_args(["-np", "4", "--fault-tolerant", "--spares", "1", "python"])
+    with pytest.raises(launch.LaunchError, match="--spares .* needs --max-np"):
+        launch.validate(alone)
+
+
+@pytest.mark.parametrize("orig, argv, interpreter, script", [
+    (["py", "train.py", "--lr", "1"], ["train.py", "--lr", "1"], [], ["train.py", "--lr", "1"]),
+    (["py", "-u", "-X", "faulthandler", "train.py"], ["train.py"], ["-u", "-X", "faulthandler"],
+     ["train.py"]),
+    (["py", "-u", "-m", "pkg.train", "-v"], ["/x/pkg/train.py", "-v"], ["-u"],
+     ["-m", "pkg.train", "-v"]),
+    (["py", "-c", "import x", "a"], ["-c", "a"], [], ["-c", "import x", "a"]),
+    (["py", "-u", "-m", "hvd_sgp.spare", "-m", "pkg.train", "-v"], ["/x/pkg/train.py", "-v"],
+     ["-u"], ["-m", "pkg.train", "-v"]),
+], ids=["script", "interpreter-options", "module", "command", "a-spare"])
+def test_spares_split_the_command_line(monkeypatch, orig, argv, interpreter, script):
+    """A spare runs ``python [interpreter options] -m hvd_sgp.spare <the script>``, and a
+    replacement spawned by a former spare runs the script as first started."""
+    from hvd_sgp.common import spares
+    monkeypatch.setattr(sys, "orig_argv", orig)
+    monkeypatch.setattr(sys, "argv", argv)
+    assert spares._command() == (interpreter, script)
+    assert spares.script_argv() == interpreter + script
+
+
+def test_spares_are_kept_only_where_lost_ranks_are_replaced(monkeypatch):
+    from hvd_sgp.common.world_grow import spares_wanted
+    for name in ("HVD_SGP_FAULT_TOLERANT", "HVD_SGP_MAX_NP", "HVD_SGP_HOST_DISCOVERY_SCRIPT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HVD_SGP_SPARES", "2")
+    assert spares_wanted() == 0
+    monkeypatch.setenv("HVD_SGP_FAULT_TOLERANT", "1")
+    assert spares_wanted() == 0  # (nothing would call them up)
+    monkeypatch.setenv("HVD_SGP_MAX_NP", "8")
+    assert spares_wanted() == 2
 
 
 def test_torch_state_commits_into_its_copy_and_restores_the_commit_every_time():

@@ -140,6 +140,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_np", int, None, "fault-tolerant: replace lost ranks with fresh processes "
            "(MPI_Comm_spawn, under hvd.elastic.run) until the world has this many again",
            minimum=1, keyword=False, aliases=("--max-num-proc",)),
+    Option("spares", int, 0, "fault-tolerant, with max_np or host discovery: keep this many "
+           "warm spares (spawned ahead, their imports done) to replace lost ranks in a "
+           "fraction of a spawn's time", minimum=0, keyword=False),
     Option("host_discovery_script", str, None, "fault-tolerant: a command printing the "
            "hosts that may run ranks, one host:slots line each (horovodrun's); sgprun starts "
            "on what it finds, rank 0 runs it again every discovery_interval and the world "

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from hvd_sgp.common import (discovery, fault_mode, finalizers, options, place, recovery,
-                            watchdog, world_grow, world_repair)
+                            spares, watchdog, world_grow, world_repair)
 from hvd_sgp.common.errors import OptionError
 from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.world import World, WorldChange, entry, free_tracked
@@ -79,8 +79,11 @@ def init(comm: Optional[MPI.Comm] = None) -> None:
     if not MPI.Is_initialized():
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
     parent = MPI.Comm.Get_parent() if comm is None else MPI.COMM_NULL
-    if parent != MPI.COMM_NULL:  # a replacement, spawned by the survivors' repair
-        world = world_grow.arrive(parent)
+    if spares.waiting():  # a warm spare: waits here until a repair calls it up
+        world = world_grow.arrive(None, fault_mode.repair_seconds())
+        signal.alarm(0)  # (spares.wait's join guard)
+    elif parent != MPI.COMM_NULL:  # a replacement, spawned by the survivors' repair
+        world = world_grow.arrive(parent, fault_mode.repair_seconds())
         if guarded:
             signal.alarm(0)
     else:
@@ -102,6 +105,8 @@ def init(comm: Optional[MPI.Comm] = None) -> None:
     watchdog.start(world.world, world.origins, float(options.from_environment("timeout")),
                    world.thread_level >= MPI.THREAD_MULTIPLE)
     _abort_on_uncaught_errors()
+    if not world.replacement:  # (a newcomer's pool was replenished as it joined)
+        spares.replenish(world.world, world_grow.spares_wanted())
 
 
 def _join_guard() -> bool:
@@ -110,7 +115,8 @@ def _join_guard() -> bool:
     join (world_grow.arrive) have not completed within the repair's deadline. MPI_Init never
     returns when a survivor dies during the spawn, and holds the GIL: a Python timer could not
     act."""
-    if "OMPI_PARENT_PORT" not in os.environ or not options.from_environment("fault_tolerant"):
+    if ("OMPI_PARENT_PORT" not in os.environ or not options.from_environment("fault_tolerant")
+            or spares.waiting()):
         return False
     signal.signal(signal.SIGALRM, signal.SIG_DFL)
     signal.alarm(int(fault_mode.repair_seconds()))
@@ -140,6 +146,7 @@ def shutdown() -> None:
     if world is None:
         return
     finalizers.run()
+    spares.dismiss()
     place.install(None)
     watchdog.stop()
     world.close()
@@ -225,7 +232,7 @@ def _world_revoked() -> bool:
 
 def _peers() -> list:
     world = place.current()
-    return [] if world is None else world.peers()
+    return [] if world is None else world.peers() + spares.peers()
 
 
 def _world_comm() -> Optional[MPI.Comm]:

@@ -51,6 +51,20 @@ def identity() -> Identity:
     return None if boot is None or stat is None else (boot, os.getpid(), stat[1])
 
 
+def kill(peer: Identity) -> bool:
+    """Kill ``peer`` if it runs on this machine (and is still that process); whether it did."""
+    if peer is None or peer[0] != _boot_id():
+        return False
+    stat = _stat(peer[1])
+    if stat is None or stat[1] != peer[2]:
+        return False
+    try:
+        os.kill(peer[1], signal.SIGKILL)
+    except OSError:
+        return False
+    return True
+
+
 class Sentinel:
     """Kills the peers on this machine that stay stopped for ``seconds`` (checked by the
     fault-tolerant heartbeat thread, fault_mode._watch, every ``PERIOD`` seconds)."""
@@ -63,7 +77,8 @@ class Sentinel:
         self.checked = 0.0
 
     def check(self, peers: list, now: Optional[float] = None) -> list:
-        """``peers``: (name, identity) of every rank of the world. Returns the names killed."""
+        """``peers``: (name, identity) of every rank of the world (its origin) and of every
+        warm spare (a phrase). Returns the names killed."""
         now = time.monotonic() if now is None else now
         if now - self.checked < self.PERIOD:
             return []
@@ -82,7 +97,8 @@ class Sentinel:
                 except OSError:
                     continue
                 killed.append(name)
-                print(f"hvd_sgp: rank {name} (pid {peer[1]}, on this machine) was stopped for "
+                who = f"rank {name}" if isinstance(name, int) else name
+                print(f"hvd_sgp: {who} (pid {peer[1]}, on this machine) was stopped for "
                       f"{now - stopped[peer]:.0f} s: killed, so that the others repair "
                       "without it (ULFM's detector does not watch a spawned replacement)",
                       file=sys.stderr, flush=True)

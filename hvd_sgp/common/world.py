@@ -155,6 +155,7 @@ class WorldChange:
     size_before: int
     realign: bool  # repaired inside a step: optimizers realign their steps (see engine)
     joined: tuple = ()  # replacements taken in (their origins); nothing was lost then
+    spares: int = 0  # how many of them were warm spares (spares.py), not spawned for it
 
 
 _subscribers: dict = {}  # key -> weak reference to the callback, in registration order

@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any, Optional
 
-from hvd_sgp.common import discovery, fault_record, options, planners, recovery
+from hvd_sgp.common import discovery, fault_record, options, planners, recovery, spares
 from hvd_sgp.common.errors import SgpError
 from hvd_sgp.common.mpi import MPI
 from hvd_sgp.common.world import World, WorldChange, entry, notify, regroup, track, untrack
@@ -20,6 +20,16 @@ def missing(world: World) -> int:
     host discovery the discovered slots); 0 without one."""
     target = planners.target_size(options.from_environment("max_np"), world.discovered)
     return planners.missing(target, world.world.Get_size())
+
+
+def spares_wanted() -> int:
+    """How many warm spares the world keeps (spares.py): HVD_SGP_SPARES where lost ranks are
+    replaced (fault-tolerant mode with HVD_SGP_MAX_NP or host discovery), else none."""
+    if not options.from_environment("fault_tolerant") or (
+            options.from_environment("max_np") is None
+            and not options.from_environment("host_discovery_script")):
+        return 0
+    return options.from_environment("spares")
 
 
 def replacement_plan(world: World, seats: dict) -> dict:
@@ -53,21 +63,53 @@ def _spawn_infos(world: World, hosts: list) -> list:
 
 
 def grow(world: World, plan: dict, known: set, seats: dict) -> Optional[WorldChange]:
-    """Spawn the newcomers of ``plan`` (MPI_Comm_spawn_multiple from the survivors, the same
-    program and arguments, one process per newcomer's host) and merge them in. The newcomer's
-    side is ``arrive``: both end in ``_settle``. The subscribers are called with ``joined`` set
+    """Take in the newcomers of ``plan``: warm spares where enough live ones are on their hosts
+    (spares.call), else processes spawned now (``_spawn``), merged with the survivors. The
+    newcomer's side is ``arrive``: both end in ``_settle``, which spawns the spares the pool
+    then lacks. The subscribers are called with ``joined`` set
     and must not communicate for it (the newcomers have none yet): an optimizer puts its
     engine aside, to start again with the newcomers' own engines at the same point of the
     training function (see engine.retire). An MPI that cannot spawn (no slot, no such host)
     leaves the world as it was, with a warning. ``known`` gains the newcomers' origins and
     ``seats`` their seats (for a later attempt's plan)."""
-    count = len(plan["newcomers"])
-    infos = _spawn_infos(world, [host for _, _, _, host in plan["newcomers"]])
+    hosts = [host for _, _, _, host in plan["newcomers"]]
+    chosen = spares.usable(world.world, hosts)
+    merged = None
+    if chosen:
+        with recovery.spawning():
+            # (a spare still importing answers once it is ready; a stopped one is killed by
+            # the sentinel within the detector's timeout)
+            merged = spares.call(world.world, chosen,
+                                 float(options.from_environment("detector_timeout")) + 2)
+        chosen = chosen if merged is not None else []
+    if merged is None:
+        merged = _spawn(world, hosts)
+        if merged is None:
+            return None
+    size_before = world.world.Get_size()
+    world.allocated |= {host for _, _, _, host in plan["newcomers"] if host is not None}
+    merged.bcast(dict(plan, hosts=(world.discovered, world.allocated), spares=spares.held()),
+                 root=0)
+    comm, local, cross, entries = _settle(merged, plan, world.origin, world.node, world.host)
+    world.install(comm, local, cross, entries)
+    joined = tuple(origin for origin, _, _, _ in plan["newcomers"])
+    known.update(joined)
+    seats.update({e.origin: (plan["slots"][e.origin], e.node, e.host) for e in entries})
+    change = WorldChange(comm, local, cross, (), size_before, False, joined, len(chosen))
+    notify(change)
+    return change
+
+
+def _spawn(world: World, hosts: list) -> Optional[MPI.Intracomm]:
+    """Spawn one process per host of ``hosts`` (MPI_Comm_spawn_multiple from the survivors,
+    the same program and arguments) and merge with them; None where MPI cannot spawn."""
+    count = len(hosts)
+    infos = _spawn_infos(world, hosts)
     with recovery.spawning():
         try:
             inter = world.world.Spawn_multiple([sys.executable] * count,
-                                               [sys.orig_argv[1:]] * count, [1] * count, infos,
-                                               root=0)
+                                               [spares.script_argv()] * count, [1] * count,
+                                               infos, root=0)
         except MPI.Exception as error:
             if recovery.is_failure(error):
                 raise
@@ -81,21 +123,10 @@ def grow(world: World, plan: dict, known: set, seats: dict) -> Optional[WorldCha
                 info.Free()
         track(inter)
         try:
-            merged = inter.Merge(high=False)
+            return inter.Merge(high=False)
         finally:
             untrack(inter)
             inter.Disconnect()  # (with the newcomers' parent.Disconnect(): see arrive)
-    size_before = world.world.Get_size()
-    world.allocated |= {host for _, _, _, host in plan["newcomers"] if host is not None}
-    merged.bcast(dict(plan, hosts=(world.discovered, world.allocated)), root=0)
-    comm, local, cross, entries = _settle(merged, plan, world.origin, world.node, world.host)
-    world.install(comm, local, cross, entries)
-    joined = tuple(origin for origin, _, _, _ in plan["newcomers"])
-    known.update(joined)
-    seats.update({e.origin: (plan["slots"][e.origin], e.node, e.host) for e in entries})
-    change = WorldChange(comm, local, cross, (), size_before, False, joined)
-    notify(change)
-    return change
 
 
 def _settle(merged: MPI.Comm, plan: dict, origin: int, node: Any,
@@ -109,23 +140,30 @@ def _settle(merged: MPI.Comm, plan: dict, origin: int, node: Any,
         recovery.free(merged)
     entries = comm.allgather(entry(origin, node, host))
     local, cross = regroup(comm, [e.node for e in entries])
+    spares.replenish(comm, spares_wanted())
     return comm, local, cross, entries
 
 
-def arrive(parent: MPI.Comm) -> World:
-    """A newcomer's init(): merge with the survivors that spawned it, take the seat their
+def arrive(parent: Optional[MPI.Comm], join_seconds: float) -> World:
+    """A newcomer's init(): merge with the survivors that spawned it (``parent``) or, in a
+    spare (``parent`` None), with those that called it up (spares.wait); take the seat their
     plan gives (``grow``), and form the nodes with them. A failure on the way (a survivor
     lost meanwhile) ends this process, and the survivors repair without it; so does a join
-    that has not completed within the repair's deadline (runtime's join guard)."""
+    that has not completed within ``join_seconds``, the repair's deadline (runtime's join
+    guard; a spare's is armed once it is called up)."""
     try:
-        parent.Set_errhandler(MPI.ERRORS_RETURN)
-        merged = parent.Merge(high=True)
-        # Disconnected, not kept: a parent intercommunicator still held at exit makes MPI_Finalize
-        # wait forever to disconnect from survivors that no longer hold theirs (the exit alarm
-        # then killed the replacement, and PRRTE 3.0 reported the spawned job's abnormal end as
-        # "LAUNCHER JOB OBJECT NOT FOUND", its parent job being gone).
-        parent.Disconnect()
+        if parent is None:
+            merged = spares.wait(join_seconds)
+        else:
+            parent.Set_errhandler(MPI.ERRORS_RETURN)
+            merged = parent.Merge(high=True)
+            # Disconnected, not kept: a parent intercommunicator still held at exit makes
+            # MPI_Finalize wait forever to disconnect from survivors that no longer hold theirs
+            # (the exit alarm then killed the replacement, and PRRTE 3.0 reported the spawned
+            # job's abnormal end as "LAUNCHER JOB OBJECT NOT FOUND", its parent job being gone).
+            parent.Disconnect()
         plan = merged.bcast(None, root=0)
+        spares.adopt(plan["spares"])
         origin, _, node, host = plan["newcomers"][merged.Get_rank() - plan["survivors"]]
         node = MPI.Get_processor_name() if node is None else node
         host = MPI.Get_processor_name() if host is None else host

@@ -73,8 +73,9 @@ def repair(world: World, realign: bool) -> WorldChange:
         fault_record.write("joined " + ",".join(map(str, grown.joined)), world.origin)
     if world.world.Get_rank() == 0:
         ranks = sorted(world.origins.index(origin) for origin in grown.joined) if grown else []
+        spared = f", {grown.spares} from warm spares" if grown and grown.spares else ""
         joined = (f"; {len(grown.joined)} replacement(s) joined (rank(s) "
-                  f"{ranks}): back to {world.world.Get_size()} ranks"
+                  f"{ranks}{spared}): back to {world.world.Get_size()} ranks"
                   if grown is not None else "")
         print(f"hvd_sgp: lost rank(s) {lost}; {size} of "
               f"{change.size_before} ranks go on{joined} after a repair of "

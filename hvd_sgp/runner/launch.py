@@ -145,6 +145,9 @@ def validate(args: argparse.Namespace,
         raise LaunchError(f"--min-np {args.min_np} is more than -np {args.np}")
     if args.fault_tolerant and args.max_np is not None and args.max_np < args.np:
         raise LaunchError(f"--max-np {args.max_np} is less than -np {args.np}")
+    if args.spares and (args.max_np is None and not args.host_discovery_script):
+        raise LaunchError("--spares replaces lost ranks: it needs --max-np or "
+                          "--host-discovery-script")
     hosts = requested_hosts(args)
     if hosts is None:
         return

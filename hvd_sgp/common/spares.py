@@ -1,0 +1,347 @@
+"""Warm spares (HVD_SGP_SPARES): processes started before they are needed, so that a grow
+after a loss takes in one that has already imported its framework, instead of spawning one and
+waiting while it starts (about 3 s of Python, torch and the first optimizer's imports here).
+
+A spare is spawned by the whole world through ``python -m hvd_sgp.spare <the script>``,
+which starts MPI before anything else: the spawn costs the world about 0.1 s, not the script's
+imports. The spare opens a port, tells its spawners, and runs the script; its ``init()``
+waits there (``wait``), polling its spawners, until one calls it up (``call``: it answers,
+is told to go on, accepts the survivors' MPI_Comm_connect to its port, and they merge, as
+with a spawned replacement's intercommunicator) or dismisses it (``dismiss``, at their
+shutdown). A spare whose spawners are all gone, or whose launcher is, leaves. A stopped
+spare is killed by the stopped-peer sentinel (stopped.py), as a stopped replacement is.
+
+Every rank that spawned a spare keeps the intercommunicator to it: the lowest such rank calls
+it up, and each learns there (Iprobe) that it died before anyone counts on it. Newcomers hold
+none of the older spares; the pool is the same list on every rank, kept by the world's
+collective calls (``replenish`` after init and after each grow, ``call`` in a grow).
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from hvd_sgp.common import recovery, stopped
+from hvd_sgp.common.mpi import MPI
+
+# The messages between a spare and its spawners (tags; every message is empty): a spawner
+# calls it up, the spare answers, and the caller tells it to go on to the accept or to go
+# back to waiting (another spare did not answer); or a spawner dismisses it, and it says bye
+# to every spawner as it leaves.
+_CALL, _ANSWER, _GO, _RELEASE, _DISMISS, _BYE = (7117 + k for k in range(6))
+_POLL = 0.02  # seconds between a waiting spare's looks at its spawners
+_EMPTY = [b"", MPI.BYTE]
+
+
+@dataclass
+class Spare:
+    """One spare, as the world knows it: where to connect, its host, and (on the ranks that
+    spawned it) the intercommunicator to it."""
+
+    port: str
+    host: str
+    process: stopped.Identity  # (for the stopped-peer sentinel: ULFM's detector does not watch it)
+    inter: Optional[MPI.Intercomm] = None
+
+
+_pool: list[Spare] = []  # this world's live spares, the same ports in the same order everywhere
+_warm_ups: list[Callable[[], None]] = []  # the adapters' imports a waiting spare does ahead
+_as_spare: dict = {}  # in a spare until it is called up: its parent, port and launcher
+
+
+# --- the world's side -----------------------------------------------------------------------
+def _command() -> tuple:
+    """(interpreter options, the script and its arguments) this process was started with:
+    ``python [OPTIONS] (SCRIPT | -m MODULE | -c COMMAND) ARGS``, or a spare's
+    ``python [OPTIONS] -m hvd_sgp.spare ...`` with its own prefix dropped."""
+    argv = list(sys.orig_argv[1:])
+    for index in range(len(argv) - 1):
+        if argv[index:index + 2] == ["-m", "hvd_sgp.spare"]:
+            return argv[:index], argv[index + 2:]
+    tail = len(sys.argv) - 1  # the script's own arguments end the command line
+    start = len(argv) - tail - 1
+    if start > 0 and argv[start - 1] in ("-m", "-c"):
+        start -= 1
+    return argv[:start], argv[start:]
+
+
+def script_argv() -> list:
+    """What a spawned replacement runs after the interpreter: this script, as started."""
+    interpreter, script = _command()
+    return interpreter + script
+
+
+def replenish(comm: MPI.Comm, count: int) -> None:
+    """Spawn spares until the pool holds ``count``; collective over ``comm`` (the world,
+    right after init or a grow). A spawn MPI refuses leaves the pool short, with a warning."""
+    while len(_pool) < count:
+        info = MPI.Info.Create()
+        info.Set("map_by", ":OVERSUBSCRIBE")
+        info.Set("wdir", os.getcwd())
+        try:
+            with recovery.spawning():
+                interpreter, script = _command()
+                inter = comm.Spawn(sys.executable, [*interpreter, "-m", "hvd_sgp.spare", *script],
+                                   1, info, root=0)
+        except MPI.Exception as error:
+            if recovery.is_failure(error):
+                raise
+            if comm.Get_rank() == 0:
+                print(f"hvd_sgp: could not start a spare ({error.Get_error_string()}); "
+                      f"lost ranks will be replaced by spawning", file=sys.stderr, flush=True)
+            return
+        finally:
+            info.Free()
+        _pool.append(Spare(*inter.bcast(None, root=0), inter))
+
+
+def held() -> list:
+    """The pool, to hand newcomers (they hold no intercommunicator to these spares)."""
+    return [(spare.port, spare.host, spare.process) for spare in _pool]
+
+
+def adopt(pool: list) -> None:
+    """A newcomer learns the pool it joins (``held`` on the survivors)."""
+    _pool[:] = [Spare(*spare) for spare in pool]
+
+
+def peers() -> list:
+    """(name, process) of every spare, for the stopped-peer sentinel."""
+    return [("a warm spare", spare.process) for spare in _pool]
+
+
+def usable(comm: MPI.Comm, hosts: list) -> list:
+    """The spares to take in for newcomers bound for ``hosts`` (None: anywhere), as
+    (spare, the rank that calls it up) pairs, or [] to spawn them all: too few live spares
+    on those hosts. Collective over ``comm``: every rank that holds a spare looks whether it
+    died (one allgather), so every rank decides alike. A spare found dead, or held by no rank
+    left (nobody can call it up; it leaves when its spawners are gone), leaves the pool."""
+    if not _pool or len(hosts) > len(_pool):
+        return []
+    seen = comm.allgather({spare.port: _alive(spare.inter) for spare in _pool
+                           if spare.inter is not None})
+    dead = {port for view in seen for port, alive in view.items() if not alive}
+    callers = {}
+    for rank, view in enumerate(seen):
+        for port, alive in view.items():
+            if alive and port not in dead:
+                callers.setdefault(port, rank)
+    _drop({spare.port for spare in _pool} - set(callers))
+    chosen, free = [], list(_pool)
+    for host in hosts:
+        match = next((s for s in free if host is None or s.host == host), None)
+        if match is None:
+            return []
+        free.remove(match)
+        chosen.append((match, callers[match.port]))
+    return chosen
+
+
+def call(comm: MPI.Comm, chosen: list, answer_seconds: float) -> Optional[MPI.Intracomm]:
+    """Take the ``chosen`` spares in (``usable``'s pairs), collectively over the survivors
+    (``comm``): each caller calls its spares up and waits ``answer_seconds`` at most for
+    their answers (``_answers``); if all answered, they go on to accept and the survivors
+    connect to each in turn and merge (the spares taken in before joining each later connect). Returns the merged world
+    (survivors first, then the spares in order), as a spawn's merge does; or None, every
+    spare that answered sent back to waiting, where one did not (it leaves the pool): the
+    grow then spawns. Once told to go, a spare that dies before its accept leaves the connect
+    waiting until the repair's deadline (a window of a poll, 20 ms)."""
+    me = comm.Get_rank()
+    mine = [spare for spare, caller in chosen if caller == me]
+    answered = _answers(mine, answer_seconds)
+    silent = {port for ports in comm.allgather([s.port for s in mine if s not in answered])
+              for port in ports}
+    for spare in answered:
+        spare.inter.Send(_EMPTY, dest=0, tag=_RELEASE if silent else _GO)
+    _drop(silent)
+    if silent:
+        return None
+    ports = [spare.port for spare, _ in chosen]
+    try:
+        lobby = comm
+        for index, port in enumerate(ports):
+            lobby, _ = _connect(lobby, port, comm, ports[index + 1:])
+        return lobby
+    finally:
+        _drop(set(ports))
+
+
+def _answers(spares: list, seconds: float) -> list:
+    """Call ``spares`` up and return those that answered within ``seconds`` (a spare still
+    importing answers once it reaches init(); a stopped one on this machine is killed by the
+    sentinel meanwhile, and one that says nothing is killed here)."""
+    waiting, answered = [], []
+    for spare in spares:
+        try:
+            spare.inter.Send(_EMPTY, dest=0, tag=_CALL)
+            waiting.append(spare)
+        except MPI.Exception:  # it died
+            pass
+    deadline = time.monotonic() + seconds
+    while waiting and time.monotonic() < deadline:
+        for spare in list(waiting):
+            sent = _sent(spare.inter, _ANSWER)
+            if sent is not False:  # (None: it died)
+                waiting.remove(spare)
+            if sent:
+                spare.inter.Recv([bytearray(1), MPI.BYTE], source=0, tag=_ANSWER)
+                answered.append(spare)
+        time.sleep(_POLL if waiting else 0)
+    for spare in waiting:
+        stopped.kill(spare.process)
+    return answered
+
+
+def dismiss() -> None:
+    """At shutdown: tell the spares this rank spawned to leave (any one spawner's word is
+    enough), and let go of them. One that does not say bye within 2 s (stopped, or hung) is
+    killed where it runs on this machine: the ranks' MPI_Finalize would wait for it."""
+    mine = [spare for spare in _pool if spare.inter is not None]
+    for spare in mine:
+        try:
+            spare.inter.Send(_EMPTY, dest=0, tag=_DISMISS)
+        except MPI.Exception:
+            pass  # (it died: nothing to dismiss)
+    deadline = time.monotonic() + 2
+    for spare in mine:
+        while _sent(spare.inter, _BYE) is False and time.monotonic() < deadline:
+            time.sleep(_POLL)
+        if _sent(spare.inter, _BYE) is False:
+            stopped.kill(spare.process)
+    _drop({spare.port for spare in _pool})
+
+
+def _sent(inter: MPI.Intercomm, tag: int) -> Optional[bool]:
+    """Whether the spare at the other end of ``inter`` has sent ``tag``; None if it died."""
+    try:
+        return inter.Iprobe(source=0, tag=tag)
+    except MPI.Exception:
+        return None
+
+
+def _alive(inter: MPI.Intercomm) -> bool:
+    return _sent(inter, _CALL) is not None  # (a tag it never sends: only whether it lives)
+
+
+def _drop(ports: set) -> None:
+    for spare in [s for s in _pool if s.port in ports]:
+        _pool.remove(spare)
+        recovery.free(spare.inter)
+
+
+def _connect(lobby: MPI.Intracomm, port: str, first: Optional[MPI.Comm],
+             rest: list) -> tuple:
+    """One round of ``call``: ``lobby`` connects to ``port`` and merges, then every member
+    (the spare just taken in too) learns from rank 0 which ports are left. Returns the merged
+    lobby and those ports; ``first`` (the survivors' world) is not freed."""
+    inter = lobby.Connect(port, root=0)
+    try:
+        merged = inter.Merge(high=False)
+    finally:
+        inter.Disconnect()
+    if lobby != first:
+        recovery.free(lobby)
+    return merged, merged.bcast(rest, root=0)
+
+
+# --- the spare's side -------------------------------------------------------------------------
+def run_as_spare(argv: list) -> None:
+    """``python -m hvd_sgp.spare SCRIPT ARGS``: start MPI, open a port and tell the
+    spawners, then run the script as ``python SCRIPT ARGS`` would (or ``-m MODULE ARGS``); its
+    ``init()`` waits to be called up (``wait``)."""
+    MPI.Init_thread(MPI.THREAD_MULTIPLE)
+    parent = MPI.Comm.Get_parent()
+    parent.Set_errhandler(MPI.ERRORS_RETURN)
+    port = MPI.Open_port()
+    parent.bcast((port, MPI.Get_processor_name(), stopped.identity()), root=MPI.ROOT)
+    _as_spare.update(parent=parent, port=port, launcher=os.getppid())
+    if argv[:1] == ["-m"]:
+        sys.argv = argv[1:]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    elif argv[:1] == ["-c"]:
+        sys.argv = ["-c", *argv[2:]]
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+    else:
+        sys.argv = list(argv)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+def waiting() -> bool:
+    """Whether this process is a spare not yet called up."""
+    return bool(_as_spare)
+
+
+def while_waiting(warm_up: Callable[[], None]) -> None:
+    """An adapter's work a spare does before it waits (imports its first step would pay)."""
+    _warm_ups.append(warm_up)
+
+
+def wait(join_seconds: float) -> MPI.Intracomm:
+    """A spare's init(): wait until a spawner calls it up, then accept the survivors'
+    connection (and any later spares' with them); returns the merged world to join
+    (world_grow.arrive). Dismissed, or with every spawner gone, the process exits. The
+    accept and join have ``join_seconds`` (an alarm, as a spawned replacement's join guard)."""
+    parent, port, launcher = (_as_spare.pop(key) for key in ("parent", "port", "launcher"))
+    for warm_up in _warm_ups:
+        warm_up()
+    spawners = set(range(parent.Get_remote_size()))
+    while True:
+        source, tag = _next_message(parent, spawners, launcher, port)
+        if tag == _DISMISS:
+            for rank in spawners:
+                try:
+                    parent.Send(_EMPTY, dest=rank, tag=_BYE)
+                except MPI.Exception:
+                    pass
+            _leave(parent, port, None)
+        if tag == _CALL:
+            try:
+                parent.Send(_EMPTY, dest=source, tag=_ANSWER)
+            except MPI.Exception:  # the caller died: the survivors repair and call again
+                spawners.discard(source)
+        elif tag == _GO:
+            break
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(max(1, int(join_seconds)))
+    parent.Free()
+    inter = MPI.COMM_SELF.Accept(port)
+    try:
+        lobby = inter.Merge(high=True)
+    finally:
+        inter.Disconnect()
+    MPI.Close_port(port)
+    rest = lobby.bcast(None, root=0)
+    while rest:
+        lobby, rest = _connect(lobby, rest[0], None, rest[1:])
+    return lobby
+
+
+def _next_message(parent: MPI.Intercomm, spawners: set, launcher: int, port: str) -> tuple:
+    """A waiting spare's next message from a live spawner: (source, tag). A spawner found
+    dead is no longer asked; with none left, or the launcher gone, the job has ended."""
+    status = MPI.Status()
+    while True:
+        for rank in sorted(spawners):
+            try:
+                if parent.Iprobe(source=rank, tag=MPI.ANY_TAG, status=status):
+                    parent.Recv([bytearray(1), MPI.BYTE], source=rank, tag=status.Get_tag())
+                    return rank, status.Get_tag()
+            except MPI.Exception:
+                spawners.discard(rank)
+        if not spawners or os.getppid() != launcher:
+            _leave(parent, port, "its job has ended")
+        time.sleep(_POLL)
+
+
+def _leave(parent: MPI.Intercomm, port: str, why: Optional[str]) -> None:
+    if why is not None:
+        print(f"hvd_sgp: a spare leaves: {why}", file=sys.stderr, flush=True)
+    parent.Free()
+    MPI.Close_port(port)
+    raise SystemExit(0)
