@@ -276,20 +276,27 @@ class Chaos:
         return waiting
 
 
-def waiting_spares(run_dir: str, ranks: set) -> list:
-    """The pids of this run's warm spares still waiting (``python -m hvd_sgp.spare`` with
-    the run's directory in its command line, not yet a rank)."""
-    found = []
+def _processes_of(run_dir: str) -> dict:
+    """pid -> whether it is a spare, for the ranks and warm spares of this run (Python running
+    chaos_train.py, or ``-m hvd_sgp.spare`` with it, on the run's directory)."""
+    found = {}
     for name in os.listdir("/proc"):
         try:
             with open(f"/proc/{name}/cmdline", "rb") as f:
                 argv = f.read().split(b"\0")
         except OSError:
             continue
-        if (b"hvd_sgp.spare" in argv and run_dir.encode() in argv
-                and int(name) not in ranks and int(name) != os.getpid()):
-            found.append(int(name))
-    return sorted(found)
+        spare = argv[1:3] == [b"-m", b"hvd_sgp.spare"]
+        script = argv[3 if spare else 1] if len(argv) > 3 else b""
+        if script.endswith(b"chaos_train.py") and run_dir.encode() in argv:
+            found[int(name)] = spare
+    return found
+
+
+def waiting_spares(run_dir: str, ranks: set) -> list:
+    """The pids of this run's warm spares still waiting (not yet a rank)."""
+    return sorted(pid for pid, spare in _processes_of(run_dir).items()
+                  if spare and pid not in ranks)
 
 
 def ranks_pid(run_dir: str, origin: int) -> Optional[int]:
@@ -399,7 +406,13 @@ def run_once(args: argparse.Namespace, run_dir: str, failures: int) -> tuple:
     job = launch(args, run_dir)
     try:
         chaos.run(job)
-    except BaseException:
+    except BaseException as error:
+        if isinstance(error, ChaosFailed):  # every process's stacks (chaos_train.py), first
+            for pid in _processes_of(run_dir):
+                chaos.signal(pid, signal.SIGUSR1)
+            time.sleep(2)
+            with open(os.path.join(run_dir, "planned.json"), "w") as f:
+                json.dump(chaos.planned, f)
         os.killpg(job.pid, signal.SIGKILL)
         job.wait()
         raise

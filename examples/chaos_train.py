@@ -16,6 +16,7 @@ size: a message counted twice would add weight); the end of the run checks it on
 into ``DIR/ledger.log``.
 """
 import argparse
+import faulthandler
 import json
 import os
 import signal
@@ -38,6 +39,11 @@ parser.add_argument("--lr", type=float, default=0.05)
 parser.add_argument("--seed", type=int, default=42)
 args = parser.parse_args()
 
+# On a hang the driver asks every process of the run for its threads' stacks (SIGUSR1) before
+# it ends the run: they land in DIR/stacks/PID.
+os.makedirs(os.path.join(args.dir, "stacks"), exist_ok=True)
+_stacks = open(os.path.join(args.dir, "stacks", str(os.getpid())), "w")
+faulthandler.register(signal.SIGUSR1, file=_stacks, all_threads=True)
 hvd.init()
 torch.set_num_threads(1)
 origin = runtime.origin_rank()

@@ -23,7 +23,7 @@ import runpy
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from hvd_sgp.common import recovery, stopped
@@ -33,7 +33,7 @@ from hvd_sgp.common.mpi import MPI
 # calls it up, the spare answers, and the caller tells it to go on to the accept or to go
 # back to waiting (another spare did not answer); or a spawner dismisses it, and it says bye
 # to every spawner as it leaves.
-_CALL, _ANSWER, _GO, _RELEASE, _DISMISS, _BYE = (7117 + k for k in range(6))
+_CALL, _ANSWER, _GO, _RELEASE, _DISMISS, _BYE, _NEVER = (7117 + k for k in range(7))
 _POLL = 0.02  # seconds between a waiting spare's looks at its spawners
 _EMPTY = [b"", MPI.BYTE]
 
@@ -47,6 +47,7 @@ class Spare:
     host: str
     process: stopped.Identity  # (for the stopped-peer sentinel: ULFM's detector does not watch it)
     inter: Optional[MPI.Intercomm] = None
+    pending: list = field(default_factory=list)  # this rank's sends to it (``_tell``)
 
 
 _pool: list[Spare] = []  # this world's live spares, the same ports in the same order everywhere
@@ -157,7 +158,7 @@ def call(comm: MPI.Comm, chosen: list, answer_seconds: float) -> Optional[MPI.In
     silent = {port for ports in comm.allgather([s.port for s in mine if s not in answered])
               for port in ports}
     for spare in answered:
-        spare.inter.Send(_EMPTY, dest=0, tag=_RELEASE if silent else _GO)
+        _tell(spare, _RELEASE if silent else _GO)
     _drop(silent)
     if silent:
         return None
@@ -175,13 +176,7 @@ def _answers(spares: list, seconds: float) -> list:
     """Call ``spares`` up and return those that answered within ``seconds`` (a spare still
     importing answers once it reaches init(); a stopped one on this machine is killed by the
     sentinel meanwhile, and one that says nothing is killed here)."""
-    waiting, answered = [], []
-    for spare in spares:
-        try:
-            spare.inter.Send(_EMPTY, dest=0, tag=_CALL)
-            waiting.append(spare)
-        except MPI.Exception:  # it died
-            pass
+    waiting, answered = [spare for spare in spares if _tell(spare, _CALL)], []
     deadline = time.monotonic() + seconds
     while waiting and time.monotonic() < deadline:
         for spare in list(waiting):
@@ -201,12 +196,7 @@ def dismiss() -> None:
     """At shutdown: tell the spares this rank spawned to leave (any one spawner's word is
     enough), and let go of them. One that does not say bye within 2 s (stopped, or hung) is
     killed where it runs on this machine: the ranks' MPI_Finalize would wait for it."""
-    mine = [spare for spare in _pool if spare.inter is not None]
-    for spare in mine:
-        try:
-            spare.inter.Send(_EMPTY, dest=0, tag=_DISMISS)
-        except MPI.Exception:
-            pass  # (it died: nothing to dismiss)
+    mine = [spare for spare in _pool if spare.inter is not None and _tell(spare, _DISMISS)]
     deadline = time.monotonic() + 2
     for spare in mine:
         while _sent(spare.inter, _BYE) is False and time.monotonic() < deadline:
@@ -214,6 +204,27 @@ def dismiss() -> None:
         if _sent(spare.inter, _BYE) is False:
             stopped.kill(spare.process)
     _drop({spare.port for spare in _pool})
+
+
+def _post(comm: MPI.Comm, dest: int, tag: int) -> Optional[MPI.Request]:
+    """Send an empty message without waiting for it; None where the peer is known dead. A
+    blocking send waits for ever where it must first connect to a peer stopped or just
+    killed (a spare's first word from a rank other than its spawners' rank 0: seen in a
+    chaos run); whether it arrived shows in the answer that follows."""
+    try:
+        comm.Iprobe(source=dest, tag=_NEVER)  # (raises if it is known dead)
+        return comm.Isend(_EMPTY, dest=dest, tag=tag)
+    except MPI.Exception:
+        return None
+
+
+def _tell(spare: Spare, tag: int) -> bool:
+    """``_post`` to a spare, keeping the request until the spare leaves the pool (``_drop``);
+    False if it is known dead."""
+    request = _post(spare.inter, 0, tag)
+    if request is not None:
+        spare.pending.append(request)
+    return request is not None
 
 
 def _sent(inter: MPI.Intercomm, tag: int) -> Optional[bool]:
@@ -225,13 +236,24 @@ def _sent(inter: MPI.Intercomm, tag: int) -> Optional[bool]:
 
 
 def _alive(inter: MPI.Intercomm) -> bool:
-    return _sent(inter, _CALL) is not None  # (a tag it never sends: only whether it lives)
+    return _sent(inter, _NEVER) is not None  # (whether it lives)
 
 
 def _drop(ports: set) -> None:
-    for spare in [s for s in _pool if s.port in ports]:
+    """Let go of the spares of ``ports``. Their communicator is freed once this rank's sends
+    to them have completed, delivered or failed (2 s at most; else it is left to MPI): one
+    freed with a send still pending to a spare killed meanwhile made MPI_Finalize crash on
+    the news of its death (Open MPI 5.0.11, ompi_comm_revoke_local)."""
+    leaving = [spare for spare in _pool if spare.port in ports]
+    until = time.monotonic() + 2
+    for spare in leaving:
         _pool.remove(spare)
-        recovery.free(spare.inter)
+        while spare.pending and not MPI.Request.Testall(spare.pending):
+            if time.monotonic() > until:
+                break
+            time.sleep(_POLL)
+        else:
+            recovery.free(spare.inter)
 
 
 def _connect(lobby: MPI.Intracomm, port: str, first: Optional[MPI.Comm],
@@ -294,17 +316,9 @@ def wait(join_seconds: float) -> MPI.Intracomm:
     while True:
         source, tag = _next_message(parent, spawners, launcher, port)
         if tag == _DISMISS:
-            for rank in spawners:
-                try:
-                    parent.Send(_EMPTY, dest=rank, tag=_BYE)
-                except MPI.Exception:
-                    pass
-            _leave(parent, port, None)
-        if tag == _CALL:
-            try:
-                parent.Send(_EMPTY, dest=source, tag=_ANSWER)
-            except MPI.Exception:  # the caller died: the survivors repair and call again
-                spawners.discard(source)
+            _say_bye(parent, source, spawners, port)
+        if tag == _CALL and not _said(parent, source, _ANSWER):
+            spawners.discard(source)  # (the caller died: the survivors repair and call again)
         elif tag == _GO:
             break
     signal.signal(signal.SIGALRM, signal.SIG_DFL)
@@ -337,6 +351,32 @@ def _next_message(parent: MPI.Intercomm, spawners: set, launcher: int, port: str
         if not spawners or os.getppid() != launcher:
             _leave(parent, port, "its job has ended")
         time.sleep(_POLL)
+
+
+def _said(parent: MPI.Intercomm, rank: int, tag: int) -> bool:
+    """A spare's word to spawner ``rank`` (False: it is known dead); its request is let go:
+    the spawner takes it at once, or is gone."""
+    request = _post(parent, rank, tag)
+    if request is not None:
+        request.Free()
+    return request is not None
+
+
+def _say_bye(parent: MPI.Intercomm, first: int, spawners: set, port: str) -> None:
+    """Dismissed by ``first``: say bye to it, and for half a second to every other spawner
+    whose dismissal comes (each waits for it, see ``dismiss``), then leave."""
+    _said(parent, first, _BYE)
+    until = time.monotonic() + 0.5
+    while time.monotonic() < until:
+        for rank in sorted(spawners):
+            try:
+                if parent.Iprobe(source=rank, tag=_DISMISS):
+                    parent.Recv([bytearray(1), MPI.BYTE], source=rank, tag=_DISMISS)
+                    _said(parent, rank, _BYE)
+            except MPI.Exception:
+                spawners.discard(rank)
+        time.sleep(_POLL)
+    _leave(parent, port, None)
 
 
 def _leave(parent: MPI.Intercomm, port: str, why: Optional[str]) -> None:
