@@ -106,7 +106,7 @@ def init(comm: Optional[MPI.Comm] = None) -> None:
                    world.thread_level >= MPI.THREAD_MULTIPLE)
     _abort_on_uncaught_errors()
     if not world.replacement:  # (a newcomer's pool was replenished as it joined)
-        spares.replenish(world.world, world_grow.spares_wanted())
+        spares.replenish(world.world, world_grow.spares_wanted(), world.processes)
 
 
 def _join_guard() -> bool:

@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import numpy as np
+
 from hvd_sgp.common import recovery, stopped
 from hvd_sgp.common.mpi import MPI
 
@@ -52,7 +54,7 @@ class Spare:
 
 _pool: list[Spare] = []  # this world's live spares, the same ports in the same order everywhere
 _warm_ups: list[Callable[[], None]] = []  # the adapters' imports a waiting spare does ahead
-_as_spare: dict = {}  # in a spare until it is called up: its parent, port and launcher
+_as_spare: dict = {}  # in a spare until it is called up: its parent, port, launcher, spawners
 
 
 # --- the world's side -----------------------------------------------------------------------
@@ -77,9 +79,10 @@ def script_argv() -> list:
     return interpreter + script
 
 
-def replenish(comm: MPI.Comm, count: int) -> None:
+def replenish(comm: MPI.Comm, count: int, processes: list) -> None:
     """Spawn spares until the pool holds ``count``; collective over ``comm`` (the world,
-    right after init or a grow). A spawn MPI refuses leaves the pool short, with a warning."""
+    right after init or a grow, whose ranks' ``processes`` each spare is told: see
+    ``_next_message``). A spawn MPI refuses leaves the pool short, with a warning."""
     while len(_pool) < count:
         info = MPI.Info.Create()
         info.Set("map_by", ":OVERSUBSCRIBE")
@@ -99,6 +102,7 @@ def replenish(comm: MPI.Comm, count: int) -> None:
         finally:
             info.Free()
         _pool.append(Spare(*inter.bcast(None, root=0), inter))
+        inter.bcast(processes, root=MPI.ROOT if comm.Get_rank() == 0 else MPI.PROC_NULL)
 
 
 def held() -> list:
@@ -120,18 +124,18 @@ def usable(comm: MPI.Comm, hosts: list) -> list:
     """The spares to take in for newcomers bound for ``hosts`` (None: anywhere), as
     (spare, the rank that calls it up) pairs, or [] to spawn them all: too few live spares
     on those hosts. Collective over ``comm``: every rank that holds a spare looks whether it
-    died (one allgather), so every rank decides alike. A spare found dead, or held by no rank
-    left (nobody can call it up; it leaves when its spawners are gone), leaves the pool."""
+    died (one allgather of a byte per spare), so every rank decides alike. A spare found
+    dead, or held by no rank left (nobody can call it up; it leaves when its spawners are
+    gone), leaves the pool."""
     if not _pool or len(hosts) > len(_pool):
         return []
-    seen = comm.allgather({spare.port: _alive(spare.inter) for spare in _pool
-                           if spare.inter is not None})
-    dead = {port for view in seen for port, alive in view.items() if not alive}
+    views = _gather(comm, [0 if spare.inter is None else 1 if _alive(spare.inter) else 2
+                           for spare in _pool])  # (not held, alive, dead), by rank
     callers = {}
-    for rank, view in enumerate(seen):
-        for port, alive in view.items():
-            if alive and port not in dead:
-                callers.setdefault(port, rank)
+    for index, spare in enumerate(_pool):
+        column = [view[index] for view in views]
+        if 1 in column and 2 not in column:
+            callers[spare.port] = column.index(1)
     _drop({spare.port for spare in _pool} - set(callers))
     chosen, free = [], list(_pool)
     for host in hosts:
@@ -147,16 +151,18 @@ def call(comm: MPI.Comm, chosen: list, answer_seconds: float) -> Optional[MPI.In
     """Take the ``chosen`` spares in (``usable``'s pairs), collectively over the survivors
     (``comm``): each caller calls its spares up and waits ``answer_seconds`` at most for
     their answers (``_answers``); if all answered, they go on to accept and the survivors
-    connect to each in turn and merge (the spares taken in before joining each later connect). Returns the merged world
-    (survivors first, then the spares in order), as a spawn's merge does; or None, every
+    connect to each in turn and merge (the spares taken in before joining each later
+    connect). Returns the merged world (survivors first, then the spares in order), as a
+    spawn's merge does; or None, every
     spare that answered sent back to waiting, where one did not (it leaves the pool): the
     grow then spawns. Once told to go, a spare that dies before its accept leaves the connect
     waiting until the repair's deadline (a window of a poll, 20 ms)."""
     me = comm.Get_rank()
     mine = [spare for spare, caller in chosen if caller == me]
     answered = _answers(mine, answer_seconds)
-    silent = {port for ports in comm.allgather([s.port for s in mine if s not in answered])
-              for port in ports}
+    views = _gather(comm, [int(spare in mine and spare not in answered) for spare, _ in chosen])
+    silent = {spare.port for index, (spare, _) in enumerate(chosen)
+              if any(view[index] for view in views)}
     for spare in answered:
         _tell(spare, _RELEASE if silent else _GO)
     _drop(silent)
@@ -170,6 +176,16 @@ def call(comm: MPI.Comm, chosen: list, answer_seconds: float) -> Optional[MPI.In
         return lobby
     finally:
         _drop(set(ports))
+
+
+def _gather(comm: MPI.Comm, values: list) -> list:
+    """Every rank's ``values`` (small ints, as many on every rank), by rank: one MPI
+    Allgather of bytes. Not a pickled allgather: cut short by a death inside a grow, one
+    returned bytes that failed to unpickle (UnpicklingError, not a lost peer) in a chaos run."""
+    mine = np.array(values, dtype=np.uint8)
+    out = np.empty(comm.Get_size() * len(values), dtype=np.uint8)
+    comm.Allgather(mine, out)
+    return out.reshape(comm.Get_size(), len(values)).tolist()
 
 
 def _answers(spares: list, seconds: float) -> list:
@@ -281,7 +297,8 @@ def run_as_spare(argv: list) -> None:
     parent.Set_errhandler(MPI.ERRORS_RETURN)
     port = MPI.Open_port()
     parent.bcast((port, MPI.Get_processor_name(), stopped.identity()), root=MPI.ROOT)
-    _as_spare.update(parent=parent, port=port, launcher=os.getppid())
+    _as_spare.update(parent=parent, port=port, launcher=os.getppid(),
+                     spawners=parent.bcast(None, root=0))
     if argv[:1] == ["-m"]:
         sys.argv = argv[1:]
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
@@ -309,12 +326,13 @@ def wait(join_seconds: float) -> MPI.Intracomm:
     connection (and any later spares' with them); returns the merged world to join
     (world_grow.arrive). Dismissed, or with every spawner gone, the process exits. The
     accept and join have ``join_seconds`` (an alarm, as a spawned replacement's join guard)."""
-    parent, port, launcher = (_as_spare.pop(key) for key in ("parent", "port", "launcher"))
+    parent, port, launcher, processes = (_as_spare.pop(key) for key in
+                                         ("parent", "port", "launcher", "spawners"))
     for warm_up in _warm_ups:
         warm_up()
     spawners = set(range(parent.Get_remote_size()))
     while True:
-        source, tag = _next_message(parent, spawners, launcher, port)
+        source, tag = _next_message(parent, spawners, (launcher, processes), port)
         if tag == _DISMISS:
             _say_bye(parent, source, spawners, port)
         if tag == _CALL and not _said(parent, source, _ANSWER):
@@ -336,10 +354,15 @@ def wait(join_seconds: float) -> MPI.Intracomm:
     return lobby
 
 
-def _next_message(parent: MPI.Intercomm, spawners: set, launcher: int, port: str) -> tuple:
+def _next_message(parent: MPI.Intercomm, spawners: set, job: tuple, port: str) -> tuple:
     """A waiting spare's next message from a live spawner: (source, tag). A spawner found
-    dead is no longer asked; with none left, or the launcher gone, the job has ended."""
+    dead is no longer asked. The job has ended when none is left, when the launcher
+    (``job``'s first: the parent process) is gone, or when every spawner (``job``'s second:
+    their processes) ran on this machine and none runs now: ranks that ended in an abort
+    were not all reported dead to a spare, which then kept mpirun waiting (a chaos run)."""
+    launcher, processes = job
     status = MPI.Status()
+    looked = 0.0
     while True:
         for rank in sorted(spawners):
             try:
@@ -348,8 +371,11 @@ def _next_message(parent: MPI.Intercomm, spawners: set, launcher: int, port: str
                     return rank, status.Get_tag()
             except MPI.Exception:
                 spawners.discard(rank)
-        if not spawners or os.getppid() != launcher:
-            _leave(parent, port, "its job has ended")
+        if time.monotonic() - looked > 1:
+            looked = time.monotonic()
+            if (not spawners or os.getppid() != launcher
+                    or all(stopped.alive_here(p) is False for p in processes)):
+                _leave(parent, port, "its job has ended")
         time.sleep(_POLL)
 
 

@@ -51,12 +51,17 @@ def identity() -> Identity:
     return None if boot is None or stat is None else (boot, os.getpid(), stat[1])
 
 
+def alive_here(peer: Identity) -> Optional[bool]:
+    """Whether ``peer`` still runs, where it is on this machine; None elsewhere (or unknown)."""
+    if peer is None or peer[0] != _boot_id():
+        return None
+    stat = _stat(peer[1])
+    return stat is not None and stat[1] == peer[2]
+
+
 def kill(peer: Identity) -> bool:
     """Kill ``peer`` if it runs on this machine (and is still that process); whether it did."""
-    if peer is None or peer[0] != _boot_id():
-        return False
-    stat = _stat(peer[1])
-    if stat is None or stat[1] != peer[2]:
+    if not alive_here(peer):
         return False
     try:
         os.kill(peer[1], signal.SIGKILL)

@@ -140,7 +140,7 @@ def _settle(merged: MPI.Comm, plan: dict, origin: int, node: Any,
         recovery.free(merged)
     entries = comm.allgather(entry(origin, node, host))
     local, cross = regroup(comm, [e.node for e in entries])
-    spares.replenish(comm, spares_wanted())
+    spares.replenish(comm, spares_wanted(), [e.process for e in entries])
     return comm, local, cross, entries
 
 
