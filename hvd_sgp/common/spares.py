@@ -35,7 +35,7 @@ from hvd_sgp.common.mpi import MPI
 # calls it up, the spare answers, and the caller tells it to go on to the accept or to go
 # back to waiting (another spare did not answer); or a spawner dismisses it, and it says bye
 # to every spawner as it leaves.
-_CALL, _ANSWER, _GO, _RELEASE, _DISMISS, _BYE, _NEVER = (7117 + k for k in range(7))
+_CALL, _ANSWER, _GO, _RELEASE, _DISMISS, _BYE, _NEVER, _HELLO = (7117 + k for k in range(8))
 _POLL = 0.02  # seconds between a waiting spare's looks at its spawners
 _EMPTY = [b"", MPI.BYTE]
 
@@ -103,6 +103,7 @@ def replenish(comm: MPI.Comm, count: int, processes: list) -> None:
             info.Free()
         _pool.append(Spare(*inter.bcast(None, root=0), inter))
         inter.bcast(processes, root=MPI.ROOT if comm.Get_rank() == 0 else MPI.PROC_NULL)
+        inter.Send(_EMPTY, dest=0, tag=_HELLO)  # (see _post)
 
 
 def held() -> list:
@@ -223,10 +224,12 @@ def dismiss() -> None:
 
 
 def _post(comm: MPI.Comm, dest: int, tag: int) -> Optional[MPI.Request]:
-    """Send an empty message without waiting for it; None where the peer is known dead. A
-    blocking send waits for ever where it must first connect to a peer stopped or just
-    killed (a spare's first word from a rank other than its spawners' rank 0: seen in a
-    chaos run); whether it arrived shows in the answer that follows."""
+    """Send an empty message without waiting for it; None where the peer is known dead.
+    Open MPI's TCP transport connects to a peer at the first message and waits for its
+    reply there, inside MPI_Send and MPI_Isend alike: a caller whose first word to a spare
+    came while the spare was stopped waited for ever (a chaos run, three times). So every
+    spawner says hello to its spare as it is spawned (``replenish``), and the connection is
+    made then; whether a later message arrived shows in the answer that follows."""
     try:
         comm.Iprobe(source=dest, tag=_NEVER)  # (raises if it is known dead)
         return comm.Isend(_EMPTY, dest=dest, tag=tag)
@@ -299,6 +302,8 @@ def run_as_spare(argv: list) -> None:
     parent.bcast((port, MPI.Get_processor_name(), stopped.identity()), root=MPI.ROOT)
     _as_spare.update(parent=parent, port=port, launcher=os.getppid(),
                      spawners=parent.bcast(None, root=0))
+    for rank in range(parent.Get_remote_size()):
+        parent.Recv([bytearray(1), MPI.BYTE], source=rank, tag=_HELLO)
     if argv[:1] == ["-m"]:
         sys.argv = argv[1:]
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
