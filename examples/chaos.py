@@ -5,8 +5,9 @@
 launches examples/chaos_train.py (digits, Horovod's elastic API, a commit per step) and, one
 after another, orders a random rank to die: how (SIGKILL, ``os._exit(1)``, SIGSTOP), who (any
 rank, rank 0, a node's local master, the replacement spawned last, a survivor while the others
-repair, a warm spare waiting to be called up under ``--spares``) and when (between steps, in the in-node reduce, the SGP exchange, an AllReduce stage,
-a Horovod collective, ``hvd.join()``, a commit). A frozen rank is resumed ``--stop-seconds``
+repair, a warm spare waiting to be called up under ``--spares``) and when (between steps, in
+the in-node reduce, the SGP exchange, an AllReduce stage, a Horovod collective,
+``hvd.join()``, a commit). A frozen rank is resumed ``--stop-seconds``
 later (it then finds itself excluded and leaves). The next failure comes once the world is
 whole again and a few steps have passed.
 

@@ -154,10 +154,10 @@ def call(comm: MPI.Comm, chosen: list, answer_seconds: float) -> Optional[MPI.In
     their answers (``_answers``); if all answered, they go on to accept and the survivors
     connect to each in turn and merge (the spares taken in before joining each later
     connect). Returns the merged world (survivors first, then the spares in order), as a
-    spawn's merge does; or None, every
-    spare that answered sent back to waiting, where one did not (it leaves the pool): the
-    grow then spawns. Once told to go, a spare that dies before its accept leaves the connect
-    waiting until the repair's deadline (a window of a poll, 20 ms)."""
+    spawn's merge does; or None, every spare that answered sent back to waiting, where one
+    did not (it leaves the pool): the grow then spawns. Once told to go, a spare that dies
+    before its accept leaves the connect waiting until the repair's deadline (a window of a
+    poll, 20 ms)."""
     me = comm.Get_rank()
     mine = [spare for spare, caller in chosen if caller == me]
     answered = _answers(mine, answer_seconds)
@@ -230,8 +230,9 @@ def _post(comm: MPI.Comm, dest: int, tag: int) -> Optional[MPI.Request]:
     came while the spare was stopped waited for ever (a chaos run, three times). So every
     spawner says hello to its spare as it is spawned (``replenish``), and the connection is
     made then; whether a later message arrived shows in the answer that follows."""
+    if not _alive(comm, dest):
+        return None
     try:
-        comm.Iprobe(source=dest, tag=_NEVER)  # (raises if it is known dead)
         return comm.Isend(_EMPTY, dest=dest, tag=tag)
     except MPI.Exception:
         return None
@@ -254,8 +255,13 @@ def _sent(inter: MPI.Intercomm, tag: int) -> Optional[bool]:
         return None
 
 
-def _alive(inter: MPI.Intercomm) -> bool:
-    return _sent(inter, _NEVER) is not None  # (whether it lives)
+def _alive(comm: MPI.Comm, rank: int = 0) -> bool:
+    """Whether ``rank`` of ``comm`` (a spare, or a spare's spawner) is not known dead."""
+    try:
+        comm.Iprobe(source=rank, tag=_NEVER)
+        return True
+    except MPI.Exception:
+        return False
 
 
 def _drop(ports: set) -> None:
@@ -340,7 +346,7 @@ def wait(join_seconds: float) -> MPI.Intracomm:
         source, tag = _next_message(parent, spawners, (launcher, processes), port)
         if tag == _DISMISS:
             _say_bye(parent, source, spawners, port)
-        if tag == _CALL and not _said(parent, source, _ANSWER):
+        if tag == _CALL and not _say(parent, source, _ANSWER):
             spawners.discard(source)  # (the caller died: the survivors repair and call again)
         elif tag == _GO:
             break
@@ -360,22 +366,17 @@ def wait(join_seconds: float) -> MPI.Intracomm:
 
 
 def _next_message(parent: MPI.Intercomm, spawners: set, job: tuple, port: str) -> tuple:
-    """A waiting spare's next message from a live spawner: (source, tag). A spawner found
-    dead is no longer asked. The job has ended when none is left, when the launcher
-    (``job``'s first: the parent process) is gone, or when every spawner (``job``'s second:
-    their processes) ran on this machine and none runs now: ranks that ended in an abort
-    were not all reported dead to a spare, which then kept mpirun waiting (a chaos run)."""
+    """A waiting spare's next message from a live spawner: (source, tag). The job has ended
+    when no spawner is left, when the launcher (``job``'s first: the parent process) is
+    gone, or when every spawner (``job``'s second: their processes) ran on this machine and
+    none runs now: ranks that ended in an abort were not all reported dead to a spare, which
+    then kept mpirun waiting (a chaos run)."""
     launcher, processes = job
-    status = MPI.Status()
     looked = 0.0
     while True:
-        for rank in sorted(spawners):
-            try:
-                if parent.Iprobe(source=rank, tag=MPI.ANY_TAG, status=status):
-                    parent.Recv([bytearray(1), MPI.BYTE], source=rank, tag=status.Get_tag())
-                    return rank, status.Get_tag()
-            except MPI.Exception:
-                spawners.discard(rank)
+        message = _receive(parent, spawners, MPI.ANY_TAG)
+        if message is not None:
+            return message
         if time.monotonic() - looked > 1:
             looked = time.monotonic()
             if (not spawners or os.getppid() != launcher
@@ -384,7 +385,21 @@ def _next_message(parent: MPI.Intercomm, spawners: set, job: tuple, port: str) -
         time.sleep(_POLL)
 
 
-def _said(parent: MPI.Intercomm, rank: int, tag: int) -> bool:
+def _receive(parent: MPI.Intercomm, spawners: set, tag: int) -> Optional[tuple]:
+    """One look at every live spawner for a message of ``tag``: the first found, received,
+    as (source, tag), or None. A spawner found dead leaves ``spawners``."""
+    status = MPI.Status()
+    for rank in sorted(spawners):
+        try:
+            if parent.Iprobe(source=rank, tag=tag, status=status):
+                parent.Recv([bytearray(1), MPI.BYTE], source=rank, tag=status.Get_tag())
+                return rank, status.Get_tag()
+        except MPI.Exception:
+            spawners.discard(rank)
+    return None
+
+
+def _say(parent: MPI.Intercomm, rank: int, tag: int) -> bool:
     """A spare's word to spawner ``rank`` (False: it is known dead); its request is let go:
     the spawner takes it at once, or is gone."""
     request = _post(parent, rank, tag)
@@ -396,17 +411,14 @@ def _said(parent: MPI.Intercomm, rank: int, tag: int) -> bool:
 def _say_bye(parent: MPI.Intercomm, first: int, spawners: set, port: str) -> None:
     """Dismissed by ``first``: say bye to it, and for half a second to every other spawner
     whose dismissal comes (each waits for it, see ``dismiss``), then leave."""
-    _said(parent, first, _BYE)
+    _say(parent, first, _BYE)
     until = time.monotonic() + 0.5
     while time.monotonic() < until:
-        for rank in sorted(spawners):
-            try:
-                if parent.Iprobe(source=rank, tag=_DISMISS):
-                    parent.Recv([bytearray(1), MPI.BYTE], source=rank, tag=_DISMISS)
-                    _said(parent, rank, _BYE)
-            except MPI.Exception:
-                spawners.discard(rank)
-        time.sleep(_POLL)
+        message = _receive(parent, spawners, _DISMISS)
+        if message is not None:
+            _say(parent, message[0], _BYE)
+        else:
+            time.sleep(_POLL)
     _leave(parent, port, None)
 
 

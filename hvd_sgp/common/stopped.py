@@ -97,9 +97,7 @@ class Sentinel:
                 continue
             stopped[peer] = self.since.get(peer, now)
             if now - stopped[peer] >= self.seconds:
-                try:
-                    os.kill(peer[1], signal.SIGKILL)
-                except OSError:
+                if not kill(peer):
                     continue
                 killed.append(name)
                 who = f"rank {name}" if isinstance(name, int) else name
