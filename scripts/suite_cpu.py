@@ -1,8 +1,9 @@
 """Where the suite's time and CPU go, by file, from a record of SUITE_CPU_RECORD (see
 tests/conftest.py): python scripts/suite_cpu.py FILE [TOP]
 
-Prints the totals (wall, CPU, the cores busy on average), then per file, then the TOP slowest
-tests (20 by default)."""
+Prints the totals (the suite's time from its first test's start to its last test's end, CPU,
+the cores busy on average), then per lane (tests/conftest.py) and per file (their tests' wall
+times added up), then the TOP slowest tests (20 by default)."""
 import collections
 import json
 import sys
@@ -19,8 +20,20 @@ def main(path: str, top: int = 20) -> None:
         entry[0] += 1
         entry[1] += row["wall"]
         entry[2] += row["cpu"]
-    wall, cpu = sum(r["wall"] for r in rows), sum(r["cpu"] for r in rows)
+    cpu = sum(r["cpu"] for r in rows)
+    if all("began" in r for r in rows):
+        wall = max(r["began"] + r["wall"] for r in rows) - min(r["began"] for r in rows)
+    else:  # a record from before the lanes: one test after another
+        wall = sum(r["wall"] for r in rows)
     print(f"{len(rows)} tests: {wall:.0f} s wall, {cpu:.0f} s CPU, {cpu / wall:.2f} cores busy")
+    lanes: dict = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    for row in rows:
+        entry = lanes[row.get("lane", "one")]
+        entry[0] += 1
+        entry[1] += row["wall"]
+        entry[2] += row["cpu"]
+    for name, (count, w, c) in sorted(lanes.items()):
+        print(f"  lane {name}: {count} tests, {w:.0f} s wall, {c:.0f} s CPU")
     print(f"{'file':44s} {'tests':>5s} {'wall s':>7s} {'CPU s':>7s} {'cores':>5s}")
     for name, (count, w, c) in sorted(files.items(), key=lambda item: -item[1][1]):
         print(f"{name:44s} {count:5d} {w:7.1f} {c:7.1f} {c / max(w, 1e-9):5.2f}")
