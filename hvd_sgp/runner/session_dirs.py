@@ -50,7 +50,7 @@ def _owned_here(directory: Path, pid: int) -> bool:
                and _this_host(name[len("pmix."):-len(suffix)]) for name in names)
 
 
-def _head_alive(pid: int) -> bool:
+def head_alive(pid: int) -> bool:
     """Whether a prterun still runs as ``pid``: no process there, or one that is not a head
     (the pid came round to another program), means the directory is left over."""
     try:
@@ -69,7 +69,7 @@ def _head_alive(pid: int) -> bool:
 def remove(pid: int, env: Mapping[str, str]) -> bool:
     """Remove the directory of the head ``pid`` that sgprun killed; whether there was one."""
     directory = base(env) / f"ompi.{pid}"
-    if not _owned_here(directory, pid) or _head_alive(pid):
+    if not _owned_here(directory, pid) or head_alive(pid):
         return False
     shutil.rmtree(directory, ignore_errors=True)
     return True
