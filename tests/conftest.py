@@ -99,7 +99,7 @@ def lane(nodeid: str) -> str:
                            for named in BESIDE) else "launches"
 
 
-if importlib.util.find_spec("xdist"):
+if importlib.util.find_spec("xdist"):  # (pytest refuses a conftest's hook it does not know)
     def pytest_xdist_make_scheduler(config, log):
         """xdist's scope scheduling (each scope whole on one worker) with the lanes as scopes."""
         from xdist.scheduler import LoadScopeScheduling
@@ -112,15 +112,12 @@ if importlib.util.find_spec("xdist"):
 
 
 BESIDE_NICENESS = 10
-_lowered = False
 
 
 def pytest_runtest_setup(item):
     """Reclaim killed heads' directories. In the beside worker, lower its priority (and its
-    processes') once: the launches' ranks, which wait on each other step by step, then take
-    the cores first, and the beside lane the time they leave."""
-    global _lowered
+    processes') to BESIDE_NICENESS: the launches' ranks, which wait on each other step by
+    step, then take the cores first, and the beside lane the time they leave."""
     session_dirs.reclaim(os.environ)
-    if not _lowered and os.environ.get("PYTEST_XDIST_WORKER") and lane(item.nodeid) == "beside":
-        os.nice(BESIDE_NICENESS)
-        _lowered = True
+    if os.environ.get("PYTEST_XDIST_WORKER") and lane(item.nodeid) == "beside":
+        os.nice(max(0, BESIDE_NICENESS - os.nice(0)))

@@ -11,9 +11,9 @@ repair, spawn a replacement (or call up a warm spare: ``sgprun --spares``; ``--s
 makes every spare kill or stop itself first), which runs this same script from the top and
 joins at the survivors' ``state.sync()``. Every (re)entry of the training function checks
 what the join promises: every rank holds rank 0's parameters and PushSum weight 1, so the
-weights sum to the world's size. With ``--lr-zero`` (pure mixing) the de-biased average is conserved from there to the
-end: the replacement added no mass and none was counted twice. Rank 0 prints the figures;
-a broken promise raises on every rank.
+weights sum to the world's size. With ``--lr-zero`` (pure mixing) the de-biased average is
+conserved from there to the end: the replacement added no mass and none was counted twice.
+Rank 0 prints the figures; a broken promise raises on every rank.
 """
 import argparse
 import os

@@ -108,4 +108,5 @@ def test_a_killed_heads_directory_stops_the_next_mpirun_given_its_pid_but_not_sg
     # again, only those whose head still runs may stay.
     session_dirs.reclaim(env)
     left = [name for name in os.listdir(tmp_path) if name.startswith("ompi.")]
-    assert all(session_dirs.head_alive(int(name.split(".")[1])) for name in left), left
+    assert all((match := session_dirs.NAME.fullmatch(name))
+               and session_dirs.head_alive(int(match.group(1))) for name in left), left
