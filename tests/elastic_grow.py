@@ -34,6 +34,9 @@ import hvd_sgp.torch as hvd  # noqa: E402
 parser = argparse.ArgumentParser()
 parser.add_argument("--np", type=int, required=True, help="ranks at launch")
 parser.add_argument("--steps", type=int, default=20)
+parser.add_argument("--until-whole", action="store_true", help="after --steps, go on (a step "
+                    "every 0.05 s) until a step on --np ranks: a replacement joins at the "
+                    "first commit at which it is ready, which may come after --steps")
 parser.add_argument("--kill", action="append", default=[], metavar="ORIGIN:STEP")
 parser.add_argument("--lr-zero", action="store_true")
 parser.add_argument("--overlap", action="store_true")
@@ -100,7 +103,10 @@ def train(state):
     expect(abs(weights - hvd.size()) < 1e-9, f"weights sum {weights}, not {hvd.size()}")
     joined = len(entries) > 1 or replacement
     gen = torch.Generator().manual_seed(1000 * origin + state.step)
-    while state.step < args.steps:
+    while state.step < args.steps or (args.until_whole and (
+            hvd.size() < args.np or entries[-1][0] == state.step)):  # (a step on all, then)
+        if state.step >= args.steps:
+            time.sleep(0.05)
         if args.join_every and state.step % args.join_every == 0 and state.joined < state.step:
             if (origin, state.step) in kills_in_join:
                 die()

@@ -88,31 +88,43 @@ def test_fault_tolerance_needs_ulfm_flags():
 
 
 # ------------------------------------------------------------------ growing back (--max-np)
-def grow(n: int, local: str, *args: str, flags: tuple = ("--max-np", "4")):
-    return sgprun(n, "elastic_grow.py", "--np", str(n), *args, flags=flags,
-                  env={"HVD_SGP_LOCAL_SIZE": local})
+def grow(n: int, local: str, *args: str, flags: tuple = ("--max-np", "4"),
+         replace_at: str = "ready"):
+    """elastic_grow.py on ``n`` ranks; under replace_at=ready (the default) it goes on until
+    the world is whole again, for the replacement joins once it is ready."""
+    whole = ("--until-whole",) if replace_at == "ready" and "--max-np" in flags else ()
+    return sgprun(n, "elastic_grow.py", "--np", str(n), *args, *whole, flags=flags,
+                  env={"HVD_SGP_LOCAL_SIZE": local, "HVD_SGP_REPLACE_AT": replace_at})
 
 
-def kill_to_back(output: str, victim: int) -> float:
-    """Seconds from the victim's death to the first step completed on the full world."""
+def kill_to_step(output: str, victim: int, size: int = 0) -> float:
+    """Seconds from the victim's death to the first step completed after it (on ``size``
+    ranks, when given: the full world again)."""
     killed = float(re.search(rf"origin {victim} dies at step \d+ at ([0-9.]+)", output).group(1))
-    back = [float(t) for t in re.findall(r"completed step \d+ on \d+ ranks at ([0-9.]+)",
-                                         output) if float(t) > killed]
+    back = [float(t) for n, t in re.findall(r"completed step \d+ on (\d+) ranks at ([0-9.]+)",
+                                            output)
+            if float(t) > killed and int(n) >= size]
     return min(back) - killed
 
 
 def test_grow_back_replaces_a_lost_rank_and_keeps_the_mass():
-    """4 ranks, pure mixing: rank 2 dies (os._exit) at step 5; a replacement is spawned,
-    takes rank 2, gets rank 0's parameters and weight 1 at the sync; 4 ranks finish with
-    weights summing to 4 and the de-biased average of the join conserved to the end."""
-    proc = grow(4, "1", "--kill", "2:5", "--lr-zero")
+    """4 ranks, pure mixing: rank 2 dies (os._exit) at step 5; the 3 survivors take step 5
+    at once, and a replacement started by the repair joins at the commit after it
+    (HVD_SGP_REPLACE_AT=commit: at step 6, whatever the machine's speed): it takes rank 2,
+    gets rank 0's parameters and weight 1 at the sync; 4 ranks finish with weights summing
+    to 4 and the de-biased average of the join conserved to the end."""
+    proc = grow(4, "1", "--kill", "2:5", "--lr-zero", replace_at="commit")
     output = expect_passed(proc, "grow checks passed on 4 ranks")
     assert "replacement origin 4 started" in output and "joined as rank 2 of 4" in output
     assert "origins by rank [0, 1, 4, 3]" in output and "sum of weights 4" in output
-    assert "entry at step 5 on 4 ranks: parameters spread 0.0e+00, weights sum 4" in output
-    assert "1 replacement(s) joined (rank(s) [2]): back to 4 ranks" in output
-    print(f"grow back, os._exit: kill to the first step on 4 ranks "
-          f"{kill_to_back(output, 2):.2f} s")
+    assert "lost rank(s) [2]; 3 of 4 ranks go on; 1 replacement(s) to join at a commit" \
+        in output, output[-3000:]
+    assert "entry at step 5 on 3 ranks: parameters spread 0.0e+00, weights sum 3" in output
+    assert "entry at step 6 on 4 ranks: parameters spread 0.0e+00, weights sum 4" in output
+    assert "1 replacement(s) joined (rank(s) [2], 1 from warm spares): back to 4 ranks at a " \
+        "commit" in output, output[-3000:]
+    print(f"grow back, os._exit: kill to the first step {kill_to_step(output, 2):.2f} s, "
+          f"on 4 ranks {kill_to_step(output, 2, 4):.2f} s")
 
 
 def test_grow_back_when_a_rank_dies_before_join():
@@ -120,8 +132,10 @@ def test_grow_back_when_a_rank_dies_before_join():
     join at step 10. The replacement's first use of the optimizer is that join(), where the
     survivors' engines have stood aside: nobody serves, the engines start together at the
     next step. (Before, the replacement alone started its engine inside join(), a collective
-    the survivors never reached: a stall, then repairs that found nobody lost.)"""
-    proc = grow(4, "2", "--join-every", "5", "--kill-in-join", "3:10")
+    the survivors never reached: a stall, then repairs that found nobody lost.) Taken in by
+    the repair (HVD_SGP_REPLACE_AT=repair): at a commit the replacement would come after the
+    join."""
+    proc = grow(4, "2", "--join-every", "5", "--kill-in-join", "3:10", replace_at="repair")
     output = expect_passed(proc, "grow checks passed on 4 ranks")
     assert "1 replacement(s) joined (rank(s) [3]): back to 4 ranks" in output, output[-3000:]
     assert "lost rank(s) []" not in output, output[-3000:]
@@ -142,22 +156,28 @@ def test_death_while_the_others_serve_in_join_repairs_once():
 def test_grow_back_twice_in_two_rank_nodes_rank_0_lost():
     """Two nodes of two ranks, training: rank 0 dies at step 4 (the lowest survivor takes
     rank 0, whose state the sync sends; the replacement takes its rank, on rank 0's node),
-    then rank 3 by SIGKILL at step 10; both nodes are whole again at the end."""
+    then rank 3 by SIGKILL at step 10; both nodes are whole again at the end. The survivors
+    go on while each replacement starts (HVD_SGP_REPLACE_AT=ready): it joins steps later."""
     proc = grow(4, "2", "--kill", "0:4", "--kill", "3:10")
     output = expect_passed(proc, "grow checks passed on 4 ranks")
+    # (HVD_SGP_REPLACE_AT=ready: the survivors train on while the replacement starts)
+    assert "entry at step 4 on 3 ranks" in output, output[-3000:]
+    whole = [int(step) for step in re.findall(r"entry at step (\d+) on 4 ranks", output)]
+    assert whole[1] >= 6, output[-3000:]
     assert "origins by rank [1, 4, 2, 5]" in output, output[-3000:]
     assert "nodes [(0, 2, 0), (1, 2, 0), (0, 2, 1), (1, 2, 1)]" in output
     assert ("rank(s) [0, 3] were lost and replaced by new processes (launch rank(s) [4, 5])"
             in output)
-    print(f"grow back, SIGKILL: kill to the first step on 4 ranks "
-          f"{kill_to_back(output, 3):.2f} s")
+    print(f"grow back, SIGKILL: kill to the first step {kill_to_step(output, 3):.2f} s, on "
+          f"4 ranks {kill_to_step(output, 3, 4):.2f} s")
 
 
 def test_grow_back_at_8_ranks_replaces_a_replacement():
     """8 ranks in two-rank nodes: rank 5 dies (os._exit) at step 4, its replacement (launch
     rank 8) is SIGKILLed at step 10 and replaced in turn (launch rank 9, same seat and node);
     the job ends on 8 ranks with every node whole, weights summing to 8, exit status 0."""
-    proc = grow(8, "2", "--kill", "5:4", "--kill", "8:10", flags=("--max-np", "8"))
+    proc = grow(8, "2", "--kill", "5:4", "--kill", "8:10", flags=("--max-np", "8"),
+                replace_at="commit")  # (the replacement must run at step 10)
     output = expect_passed(proc, "grow checks passed on 8 ranks")
     assert "replacement origin 8 started" in output and "replacement origin 9 started" in output
     assert "origins by rank [0, 1, 2, 3, 4, 9, 6, 7]" in output, output[-3000:]
@@ -166,9 +186,9 @@ def test_grow_back_at_8_ranks_replaces_a_replacement():
     # every rank's MPI_Finalize returned (5 of 8 waited for the lost replacement 8 until their
     # exit alarm while the world's communicators were still held: fault_mode._finalize)
     assert "did not return from MPI_Finalize" not in output, output[-3000:]
-    print(f"grow back at 8 ranks: kill to the first step on 8 ranks "
-          f"{kill_to_back(output, 5):.2f} s (os._exit), {kill_to_back(output, 8):.2f} s "
-          f"(SIGKILL of the replacement)")
+    print(f"grow back at 8 ranks: kill to the first step {kill_to_step(output, 5):.2f} s "
+          f"(os._exit), {kill_to_step(output, 8):.2f} s (SIGKILL of the replacement); on 8 "
+          f"ranks {kill_to_step(output, 5, 8):.2f} s, {kill_to_step(output, 8, 8):.2f} s")
 
 
 def _started_before_its_death(output: str, origin: int, victim: int) -> bool:
@@ -180,12 +200,12 @@ def _started_before_its_death(output: str, origin: int, victim: int) -> bool:
 
 def test_warm_spares_replace_lost_ranks_and_the_pool_is_refilled():
     """sgprun --spares 2: two spares start with the job and wait in hvd.init(). Rank 2 dies
-    (os._exit) at step 5, rank 0 (SIGKILL) at step 12: each is replaced by a spare already
-    running before the death (the second called up by a rank that was not rank 0 at launch,
+    (os._exit) at step 5, rank 0 (SIGKILL) at step 12: each is replaced at the next commit
+    (HVD_SGP_REPLACE_AT=commit: one at a time) by a spare already running before the death (the second called up by a rank that was not rank 0 at launch,
     and refilled after the first), the mass is kept, and the spares still waiting at the end
     are dismissed: no process of the run outlives it."""
     proc = grow(4, "1", "--kill", "2:5", "--kill", "0:12", "--lr-zero",
-                flags=("--max-np", "4", "--spares", "2"))
+                flags=("--max-np", "4", "--spares", "2"), replace_at="commit")
     output = expect_passed(proc, "grow checks passed on 4 ranks")
     assert output.count("1 replacement(s) joined (rank(s) [") == 2, output[-3000:]
     assert output.count("1 from warm spares): back to 4 ranks") == 2, output[-3000:]
@@ -196,9 +216,9 @@ def test_warm_spares_replace_lost_ranks_and_the_pool_is_refilled():
     while (left := _processes("elastic_grow.py")) and time.monotonic() - began < 15:
         time.sleep(0.5)
     assert not left, f"processes of the run still alive after it ended: {left}"
-    print(f"grow back from a warm spare: kill to the first step on 4 ranks "
-          f"{kill_to_back(output, 2):.2f} s (os._exit), {kill_to_back(output, 0):.2f} s "
-          f"(SIGKILL of rank 0)")
+    print(f"grow back from a warm spare: kill to the first step {kill_to_step(output, 2):.2f} s "
+          f"(os._exit), {kill_to_step(output, 0):.2f} s (SIGKILL of rank 0); on 4 ranks "
+          f"{kill_to_step(output, 2, 4):.2f} s, {kill_to_step(output, 0, 4):.2f} s")
 
 
 @pytest.mark.parametrize("how", ["kill", "stop"])
@@ -230,7 +250,8 @@ def test_a_stopped_replacement_is_killed_and_replaced():
     it (stopped.py); the runtime reports the death, the survivors repair and spawn launch
     rank 5. (Before, the survivors' wait ended at HVD_SGP_TIMEOUT and the repair's shrink
     waited for the stopped process until the repair's deadline: the job never finished.)"""
-    proc = grow(4, "1", "--kill", "2:3", "--freeze", "4:8", "--steps", "14")
+    proc = grow(4, "1", "--kill", "2:3", "--freeze", "4:8", "--steps", "14",
+                replace_at="commit")  # (the replacement must run at step 8)
     output = expect_passed(proc, "grow checks passed on 4 ranks")
     assert "replacement origin 5 started" in output, output[-3000:]
     assert "rank 4 (pid" in output and "was stopped for" in output, output[-3000:]
@@ -245,12 +266,13 @@ def test_a_stopped_replacement_is_killed_and_replaced():
 
 def test_keras_grow_back():
     """The Keras script in Horovod's elastic shape under --max-np 4: rank 2 is SIGKILLed at
-    epoch 1, a replacement runs the script from the top and joins (its first fit step meets
-    the survivors' reset step, as in Horovod's Keras example); 4 ranks finish, exit 0."""
+    epoch 1, a replacement runs the script from the top and joins at the next commit (its
+    first fit step meets the survivors' reset step, as in Horovod's Keras example); 4 ranks
+    finish, exit 0."""
     proc = sgprun(4, "elastic_horovod_keras.py", "--kill-rank", "2", "--sigkill", "--epochs",
-                  "2", flags=("--max-np", "4"), timeout=600)
+                  "2", flags=("--max-np", "4", "--replace-at", "commit"), timeout=600)
     output = expect_passed(proc, "trained on 4 ranks (launch ranks [0, 1, 4, 3]); epoch state 2")
-    assert "1 replacement(s) joined (rank(s) [2]): back to 4 ranks" in output
+    assert "1 replacement(s) joined (rank(s) [2], 1 from warm spares): back to 4 ranks" in output
 
 
 def test_plain_keras_script_meets_with_an_exact_average():
@@ -300,8 +322,8 @@ def test_host_discovery_grows_shrinks_and_moves_rank_0(tmp_path):
                   "--change", f"5:localhost:2,{here}:3", "--kill", "3:10",
                   "--change", f"18:localhost:2,{here}:1", "--change", "26:",
                   "--change", f"34:{here}:3",
-                  flags=("--min-np", "2", "--max-np", "4", "--host-discovery-script",
-                         f"cat {hosts}"))
+                  flags=("--min-np", "2", "--max-np", "4", "--replace-at", "repair",
+                         "--host-discovery-script", f"cat {hosts}"))
     output = expect_passed(proc, f"finished on 3 ranks, origins by rank [2, 5, 6], hosts by "
                                  f"rank {[here] * 3}")
     assert "mpirun's status" not in output  # no rank ended badly, not even the leavers
@@ -397,8 +419,9 @@ HOROVOD_ELASTIC_EXAMPLES = [
       "--num-batches-per-iter", "2", "--num-iters", "5", "--no-cuda"), True, (),
      ["Total img/sec on 3 CPU(s)", "lost rank(s) [2]"]),
     ("pytorch", "pytorch_mnist_elastic.py", ("--epochs", "1", "--no-cuda"), True,
-     ("--max-np", "4"), ["Test set: Average loss", "1 replacement(s) joined (rank(s) [2]): "
-                         "back to 4 ranks"]),
+     ("--max-np", "4", "--replace-at", "commit"),
+     ["Test set: Average loss", "1 replacement(s) joined (rank(s) [2], 1 from warm spares): "
+      "back to 4 ranks"]),
 ]
 
 

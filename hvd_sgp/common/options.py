@@ -143,6 +143,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("spares", int, 0, "fault-tolerant, with max_np or host discovery: keep this many "
            "warm spares (spawned ahead, their imports done) to replace lost ranks in a "
            "fraction of a spawn's time", minimum=0, keyword=False),
+    Option("replace_at", str, "ready", "fault-tolerant, with max_np or host discovery: "
+           "replacements for lost ranks start at the repair and join at the first "
+           "state.commit() at which they are ready (ready: the survivors train on while they "
+           "start), at the next commit (commit), or inside the repair (repair: the survivors "
+           "wait for them)", choices=("ready", "commit", "repair"), keyword=False),
     Option("host_discovery_script", str, None, "fault-tolerant: a command printing the "
            "hosts that may run ranks, one host:slots line each (horovodrun's); sgprun starts "
            "on what it finds, rank 0 runs it again every discovery_interval and the world "

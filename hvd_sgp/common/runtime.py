@@ -264,6 +264,24 @@ def resize_pending() -> bool:
     return place.require().pending is not None
 
 
+def replacements_due() -> bool:
+    """Replacements for lost ranks wait to join at a commit (HVD_SGP_REPLACE_AT).
+    See world_grow.replacements_due."""
+    return world_grow.replacements_due(place.require())
+
+
+def replacements_ready() -> bool:
+    """At a commit: take the replacements in now? Collective. See
+    world_grow.replacements_ready."""
+    return world_grow.replacements_ready(place.require())
+
+
+def replace() -> None:
+    """Take in the replacements a repair deferred; every rank calls it. See
+    world_grow.replace."""
+    world_grow.replace(place.require())
+
+
 def resize() -> bool:
     """Lay the world out for the agreed new hosts; every rank calls it. Returns True on a rank
     that must leave. See world_grow.resize."""

@@ -31,11 +31,13 @@ import numpy as np
 from hvd_sgp.common import recovery, stopped
 from hvd_sgp.common.mpi import MPI
 
-# The messages between a spare and its spawners (tags; every message is empty): a spawner
-# calls it up, the spare answers, and the caller tells it to go on to the accept or to go
-# back to waiting (another spare did not answer); or a spawner dismisses it, and it says bye
-# to every spawner as it leaves.
-_CALL, _ANSWER, _GO, _RELEASE, _DISMISS, _BYE, _NEVER, _HELLO = (7117 + k for k in range(8))
+# The messages between a spare and its spawners (tags; every message is empty): a spare
+# says it is ready (its imports done) as it begins to wait; a spawner calls it up, the spare
+# answers, and the caller tells it to go on to the accept or to go back to waiting (another
+# spare did not answer); or a spawner dismisses it, and it says bye to every spawner as it
+# leaves.
+_CALL, _ANSWER, _GO, _RELEASE, _DISMISS, _BYE, _NEVER, _HELLO, _READY = (7117 + k
+                                                                         for k in range(9))
 _POLL = 0.02  # seconds between a waiting spare's looks at its spawners
 _EMPTY = [b"", MPI.BYTE]
 
@@ -50,6 +52,7 @@ class Spare:
     process: stopped.Identity  # (for the stopped-peer sentinel: ULFM's detector does not watch it)
     inter: Optional[MPI.Intercomm] = None
     pending: list = field(default_factory=list)  # this rank's sends to it (``_tell``)
+    ready: bool = False  # it said it waits, its imports done (``ready``; its spawners only)
 
 
 _pool: list[Spare] = []  # this world's live spares, the same ports in the same order everywhere
@@ -79,14 +82,20 @@ def script_argv() -> list:
     return interpreter + script
 
 
-def replenish(comm: MPI.Comm, count: int, processes: list) -> None:
+def replenish(comm: MPI.Comm, count: int, processes: list, hosts: tuple = ()) -> None:
     """Spawn spares until the pool holds ``count``; collective over ``comm`` (the world,
-    right after init or a grow, whose ranks' ``processes`` each spare is told: see
-    ``_next_message``). A spawn MPI refuses leaves the pool short, with a warning."""
+    right after init, a grow or a repair whose replacements join later, whose ranks'
+    ``processes`` each spare is told: see ``_next_message``). The first spawned go to
+    ``hosts`` (None: where MPI maps them). A spawn MPI refuses leaves the pool short, with a
+    warning."""
+    hosts = list(hosts)
     while len(_pool) < count:
         info = MPI.Info.Create()
         info.Set("map_by", ":OVERSUBSCRIBE")
         info.Set("wdir", os.getcwd())
+        host = hosts.pop(0) if hosts else None
+        if host is not None:
+            info.Set("host", host)
         try:
             with recovery.spawning():
                 interpreter, script = _command()
@@ -138,13 +147,40 @@ def usable(comm: MPI.Comm, hosts: list) -> list:
         if 1 in column and 2 not in column:
             callers[spare.port] = column.index(1)
     _drop({spare.port for spare in _pool} - set(callers))
-    chosen, free = [], list(_pool)
+    found = _match(_pool, hosts)
+    return [] if found is None else [(spare, callers[spare.port]) for spare in found]
+
+
+def ready(comm: MPI.Comm, hosts: list, overdue: bool) -> bool:
+    """Whether to take in replacements for ``hosts`` now (world_grow.replacements_ready): a
+    live spare that said it is ready waits on each host, or waiting on cannot help (a spare
+    died, none is on a host, or ``overdue`` on some rank: they are taken in, and the grow
+    calls up or spawns as ever). Collective over ``comm``, with the same outcome on every
+    rank (one allgather of a byte per spare)."""
+    for spare in _pool:
+        if spare.inter is not None and not spare.ready and _sent(spare.inter, _READY):
+            spare.inter.Recv([bytearray(1), MPI.BYTE], source=0, tag=_READY)
+            spare.ready = True
+    views = _gather(comm, [0 if spare.inter is None else 2 if not _alive(spare.inter)
+                           else 1 if spare.ready else 3 for spare in _pool] + [int(overdue)])
+    columns = list(zip(*views))
+    if any(columns[-1]) or any(2 in column for column in columns[:-1]):
+        return True
+    said = [spare for spare, column in zip(_pool, columns) if 1 in column]
+    held = [spare for spare, column in zip(_pool, columns) if any(column)]
+    return _match(said, hosts) is not None or _match(held, hosts) is None
+
+
+def _match(candidates: list, hosts: list) -> Optional[list]:
+    """A spare of its own among ``candidates`` for each of ``hosts`` (None: any host), in
+    order, or None where a host has none."""
+    free, chosen = list(candidates), []
     for host in hosts:
         match = next((s for s in free if host is None or s.host == host), None)
         if match is None:
-            return []
+            return None
         free.remove(match)
-        chosen.append((match, callers[match.port]))
+        chosen.append(match)
     return chosen
 
 
@@ -342,6 +378,8 @@ def wait(join_seconds: float) -> MPI.Intracomm:
     for warm_up in _warm_ups:
         warm_up()
     spawners = set(range(parent.Get_remote_size()))
+    for rank in spawners:
+        _say(parent, rank, _READY)
     while True:
         source, tag = _next_message(parent, spawners, (launcher, processes), port)
         if tag == _DISMISS:

@@ -48,6 +48,10 @@ class World:
         self.discovered: Optional[list] = None
         self.pending: Optional[list] = None
         self.allocated: set = set()
+        # HVD_SGP_REPLACE_AT ready or commit: the seats of the world before its first loss whose
+        # replacement has not joined yet (world_grow.replace), alike on every rank; else None.
+        self.vacated: Optional[dict] = None
+        self.vacated_at = 0.0  # (time.monotonic() of the loss that set it, on this rank)
         self.next_origin = 0
         self._lock = threading.Lock()  # the watchdog thread revokes while a repair installs
         self._closed = False

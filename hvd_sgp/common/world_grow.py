@@ -1,6 +1,7 @@
 """The world grows: spawned processes join it (``grow`` on the survivors, ``arrive`` on the
-newcomers), after a repair (HVD_SGP_MAX_NP) or a change of the discovered hosts (``resize``,
-which may also send ranks away). Who goes where is planned in ``planners``.
+newcomers), after a repair (HVD_SGP_MAX_NP: at the next commit, ``replace``, or in the repair)
+or a change of the discovered hosts (``resize``, which may also send ranks away). Who goes
+where is planned in ``planners``.
 """
 from __future__ import annotations
 
@@ -36,6 +37,73 @@ def replacement_plan(world: World, seats: dict) -> dict:
     """Where the ranks ``missing`` go after a loss (``planners.replacements``)."""
     return planners.replacements(world.origins, seats, world.next_origin, missing(world),
                                  options.from_environment("local_size"))
+
+
+def defer(world: World, seats: dict) -> None:
+    """After a repair (HVD_SGP_REPLACE_AT ready or commit): remember where the lost ranks sat,
+    for ``replace`` at a later commit, and start their replacements now, as warm spares on the
+    lost ranks' hosts (collective; MPI_Init comes first in a spare, so the spawn costs the
+    survivors about 0.1 s): they import while the survivors train on, and the take-in calls
+    them up. The pool of HVD_SGP_SPARES, where it holds enough, is used as it is. ``seats``: the world before this loss; an earlier loss not yet
+    replaced keeps its own (the survivors' seats from before it, so that its lost ranks'
+    seats stay vacant and the ranks taken in by a take-in cut short keep theirs)."""
+    if world.vacated is None:
+        world.vacated_at = time.monotonic()
+    world.vacated = {**seats, **(world.vacated or {})}
+    hosts = [host for *_, host in replacement_plan(world, world.vacated)["newcomers"]]
+    spares.replenish(world.world, max(spares_wanted(), len(hosts)), world.processes, hosts)
+
+
+def replacements_due(world: World) -> bool:
+    """Whether replacements wait to be taken in (the same on every rank: the repair that
+    deferred them was agreed)."""
+    return world.vacated is not None and missing(world) > 0
+
+
+def replacements_ready(world: World) -> bool:
+    """At a commit while ``replacements_due``: whether to take them in now. Under
+    HVD_SGP_REPLACE_AT=commit, yes (the survivors wait there for them to start). Under ready,
+    once their spares say they are ready, so the survivors train on while the replacements
+    start; or once that cannot come (a spare lost, none left) or has taken longer than a
+    call's answer may (``answer_seconds``) on some rank. Collective then, with the same
+    outcome on every rank."""
+    if options.from_environment("replace_at") == "commit":
+        return True
+    hosts = [host for *_, host in replacement_plan(world, world.vacated)["newcomers"]]
+    overdue = time.monotonic() - world.vacated_at > answer_seconds()
+    with recovery.translated("a commit's look at the replacements"):
+        return spares.ready(world.world, hosts, overdue)
+
+
+def answer_seconds() -> float:
+    """How long a spare called up may take to answer (one still importing answers once it
+    is ready; a stopped one is killed by the sentinel within the detector's timeout)."""
+    return float(options.from_environment("detector_timeout")) + 2
+
+
+def replace(world: World) -> Optional[WorldChange]:
+    """Take in the replacements a repair deferred (``defer``); every rank calls it, between two
+    calls of the training function (hvd.elastic.run, after the commit's HostsUpdatedInterrupt),
+    and the newcomers join at the ``state.sync()`` that follows. As in the repair: warm spares
+    where there are, else spawned processes, in the lost ranks' seats; an MPI that cannot spawn
+    leaves the world as it is, and no later commit tries again. A lost rank meanwhile raises
+    PeerLostError; the repair that follows keeps the vacated seats for the next commit."""
+    began = time.monotonic()
+    seats = dict(world.vacated)
+    with recovery.repairing(began + recovery.repair_deadline()):
+        with recovery.translated("the take-in of replacements"):
+            grown = grow(world, replacement_plan(world, seats), set(world.origins), seats)
+    world.vacated = None
+    if grown is None:
+        return None
+    fault_record.write("joined " + ",".join(map(str, grown.joined)), world.origin)
+    if world.world.Get_rank() == 0:
+        ranks = sorted(world.origins.index(origin) for origin in grown.joined)
+        spared = f", {grown.spares} from warm spares" if grown.spares else ""
+        print(f"hvd_sgp: {len(grown.joined)} replacement(s) joined (rank(s) {ranks}{spared}): "
+              f"back to {world.world.Get_size()} ranks at a commit, after a take-in of "
+              f"{time.monotonic() - began:.2f} s", file=sys.stderr, flush=True)
+    return grown
 
 
 def _spawn_infos(world: World, hosts: list) -> list:
@@ -77,10 +145,7 @@ def grow(world: World, plan: dict, known: set, seats: dict) -> Optional[WorldCha
     merged = None
     if chosen:
         with recovery.spawning():
-            # (a spare still importing answers once it is ready; a stopped one is killed by
-            # the sentinel within the detector's timeout)
-            merged = spares.call(world.world, chosen,
-                                 float(options.from_environment("detector_timeout")) + 2)
+            merged = spares.call(world.world, chosen, answer_seconds())
         chosen = chosen if merged is not None else []
     if merged is None:
         merged = _spawn(world, hosts)
@@ -246,6 +311,7 @@ def resize(world: World) -> bool:
             world.install(comm, local, cross, entries)
             notify(WorldChange(comm, local, cross, tuple(plan["leaving"]), size_before, False))
             world.discovered = world.pending
+            world.vacated = None  # (the plan seats newcomers for the discovered hosts)
             if plan["newcomers"]:
                 grown = grow(world, plan, set(world.origins), world.seats())
             world.pending = None

@@ -28,9 +28,11 @@ def repair(world: World, realign: bool) -> WorldChange:
        PushSum state). An agreement (MPI_Comm_agree) closes 3 and 4 alike on every
        survivor: all go on, all start over, or all raise (``_rebuild``).
     5. With HVD_SGP_MAX_NP (or host discovery), outside a step (``realign`` False:
-       hvd.elastic.run's repair, the step boundary where Horovod adds hosts), spawn
-       replacements and take them in (``world_grow.grow``); not while a change of hosts
-       waits, whose ``resize`` places the newcomers. A failure during 2-5 starts over at 1.
+       hvd.elastic.run's repair), replacements: by default they start now and the survivors
+       go on; they join at a later commit (``world_grow.defer``, then ``replace``), as
+       Horovod takes in new hosts; with HVD_SGP_REPLACE_AT=repair they are taken in here
+       (``world_grow.grow``). Not while a change of hosts waits, whose ``resize`` places the
+       newcomers. A failure during 2-5 starts over at 1.
     Fewer survivors than HVD_SGP_MIN_NP end the job with an SgpError on every survivor.
     """
     began = time.monotonic()
@@ -52,7 +54,10 @@ def repair(world: World, realign: bool) -> WorldChange:
                 comm = survivors
                 change = _rebuild(world, survivors, known, realign)
                 size = change.world.Get_size()  # (a grow frees change.world)
-                if (not realign and attempts < 3 and world.pending is None
+                if (not realign and world.pending is None and world_grow.missing(world) > 0
+                        and options.from_environment("replace_at") != "repair"):
+                    world_grow.defer(world, seats)
+                elif (not realign and attempts < 3 and world.pending is None
                         and world_grow.missing(world) > 0):
                     attempts += 1
                     comm = world.world  # a failed grow starts over from what it left
@@ -77,6 +82,8 @@ def repair(world: World, realign: bool) -> WorldChange:
         joined = (f"; {len(grown.joined)} replacement(s) joined (rank(s) "
                   f"{ranks}{spared}): back to {world.world.Get_size()} ranks"
                   if grown is not None else "")
+        if world.vacated is not None:
+            joined = f"; {world_grow.missing(world)} replacement(s) to join at a commit"
         print(f"hvd_sgp: lost rank(s) {lost}; {size} of "
               f"{change.size_before} ranks go on{joined} after a repair of "
               f"{time.monotonic() - began:.2f} s", file=sys.stderr, flush=True)

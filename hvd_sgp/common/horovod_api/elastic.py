@@ -3,10 +3,13 @@
 ``hvd.elastic.run(train)(state)`` syncs the state (rank 0's everywhere) and calls ``train``.
 When a rank is lost (fault-tolerant mode), ``train`` ends with HorovodInternalError on every
 survivor; the loop then repairs the world in place (runtime.repair: the same processes, fewer
-of them, and with HVD_SGP_MAX_NP fresh ones spawned for the lost; ``hvd.size()`` and
-``hvd.rank()`` report the new world), recovers the state, calls the reset callbacks, syncs
-(a replacement, running the script from the top, joins here, at its first sync) and calls
-``train`` again. With host discovery, ``state.commit()`` raises HostsUpdatedInterrupt on
+of them; ``hvd.size()`` and ``hvd.rank()`` report the new world), recovers the state, calls
+the reset callbacks, syncs and calls ``train`` again. With HVD_SGP_MAX_NP the lost ranks'
+replacements start at the repair (as warm spares) and join at the first ``state.commit()``
+at which they are ready, which raises HostsUpdatedInterrupt on every rank; the loop takes
+them in (runtime.replace), calls the reset callbacks and syncs (a replacement, running the
+script from the top, joins there, at its first sync). HVD_SGP_REPLACE_AT=commit takes them in
+at the next commit, ready or not; =repair in the repair, before the survivors go on. With host discovery, ``state.commit()`` raises HostsUpdatedInterrupt on
 every rank at the same commit when the hosts changed; the loop then lays the world out for
 them (runtime.resize: ranks on removed hosts leave with status 0, newcomers are spawned on
 added ones), calls the reset callbacks, syncs unless ranks only left (Horovod's
@@ -58,14 +61,18 @@ class State:
         """Raise HostsUpdatedInterrupt on every rank at once when the discovery script's hosts
         changed (rank 0's latest result is broadcast: one small collective per call).
         ``skip_sync`` when ranks only leave (Horovod's: when hosts were only removed): the
-        ranks that stay hold the same state, and no newcomer waits for a sync. Without host
-        discovery nothing changes the world but a failure (HorovodInternalError), and nothing
+        ranks that stay hold the same state, and no newcomer waits for a sync. Also when
+        replacements for lost ranks are ready to join (HVD_SGP_REPLACE_AT; one small
+        collective per call while they are due). Otherwise, without host discovery, nothing
         is communicated."""
-        if not runtime.is_initialized() or not runtime.discovering():
+        if not runtime.is_initialized():
             return
-        change = runtime.hosts_changed(self._bcast_object(_latest_hosts()))
-        if change:
-            raise HostsUpdatedInterrupt(skip_sync=change == discovery.REMOVED)
+        if runtime.discovering():
+            change = runtime.hosts_changed(self._bcast_object(_latest_hosts()))
+            if change:
+                raise HostsUpdatedInterrupt(skip_sync=change == discovery.REMOVED)
+        if runtime.replacements_due() and runtime.replacements_ready():
+            raise HostsUpdatedInterrupt(skip_sync=False)
 
     def save(self) -> None:
         raise NotImplementedError
@@ -226,7 +233,7 @@ def run_fn(func: Callable[..., Any],
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
-        repair = recover = reset = skip_sync = False
+        repair = recover = reset = skip_sync = take_in = False
         with recovery.elastic_scope():
             while True:
                 try:
@@ -237,6 +244,10 @@ def run_fn(func: Callable[..., Any],
                         if runtime.resize():
                             recovery.leave_by_plan(f"the discovery script removed its host "
                                                    f"{runtime.host()!r} or slot")
+                    if take_in:  # (a commit's, never a repair's: the survivors go on first)
+                        take_in = False
+                        if runtime.replacements_due():
+                            runtime.replace()
                     if recover:
                         state.recover()
                         recover = False
@@ -250,7 +261,7 @@ def run_fn(func: Callable[..., Any],
                     if not recovery.enabled() or not _peer_failure(error):
                         raise  # nothing to repair: the world is gone, or no peer failed
                     repair = recover = reset = True
-                    skip_sync = False
-                except HostsUpdatedInterrupt as interrupt:
-                    reset, skip_sync = True, interrupt.skip_sync  # (resize: at the loop's top)
+                    skip_sync = take_in = False
+                except HostsUpdatedInterrupt as interrupt:  # (resize, take-in: loop's top)
+                    reset, skip_sync, take_in = True, interrupt.skip_sync, True
     return wrapper
