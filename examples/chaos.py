@@ -56,6 +56,9 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
                    "shrinks by one each failure, to 3 ranks (the repair alone, no spawn)")
     p.add_argument("--spares", type=int, default=0, help="sgprun's --spares: warm spares "
                    "that replace lost ranks (with replacements only)")
+    p.add_argument("--replace-at", choices=("commit", "repair"), default=None, help="sgprun's "
+                   "--replace-at: replacements join at the next commit (its default) or in "
+                   "the repair")
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--moments", default=",".join(MOMENTS))
     p.add_argument("--victims", default=",".join(VICTIMS))
@@ -106,6 +109,7 @@ def launch(args: argparse.Namespace, run_dir: str) -> subprocess.Popen:
     if not args.no_replace:
         cmd += ["--max-np", str(args.np)] + (["--spares", str(args.spares)] if args.spares
                                              else [])
+        cmd += ["--replace-at", args.replace_at] if args.replace_at else []
     if args.detector_timeout is not None:
         cmd += ["--detector-timeout", f"{args.detector_timeout:g}"]
     cmd += [sys.executable, os.path.join(HERE, "chaos_train.py"), "--dir", run_dir,
@@ -321,6 +325,7 @@ def summarize(run_dir: str, chaos: Chaos, wall: float, step_seconds: Optional[fl
     deaths = [(float(d[0]), int(d[1]), d[2], d[3]) for d in lines(run_dir, "deaths.log")]
     deaths += [(t, o, k, m) for t, o, k, v, m, _ in chaos.planned if m == "repair"]
     recovery: dict = {}
+    whole = []  # a death to the first step on the full world again (with replacements)
     redone = []  # committed steps taken again after a death (a commit per step: at most 1)
     for when, _, kind, _ in deaths:
         before = [step for t, step, *_ in steps if t < when]
@@ -329,6 +334,9 @@ def summarize(run_dir: str, chaos: Chaos, wall: float, step_seconds: Optional[fl
             recovery.setdefault(kind, []).append(after[0][0] - when)
             if before:
                 redone.append(max(0, before[-1] - after[0][1] + 1))
+        full = [t for t, _, size, _ in steps if t > when and size >= chaos.args.np]
+        if full and not chaos.args.no_replace:
+            whole.append(full[0] - when)
     ledger = [(f"step {s[1]}", int(s[2]), float(s[4])) for s in lines(run_dir, "steps.log")]
     ledger += [(" ".join(e[1:e.index("size")]), int(e[e.index("size") + 1]), float(e[-1]))
                for e in lines(run_dir, "ledger.log")]
@@ -345,6 +353,8 @@ def summarize(run_dir: str, chaos: Chaos, wall: float, step_seconds: Optional[fl
         "recovery_seconds": {k: {"n": len(v), "p50": percentile(v, 50),
                                  "p95": percentile(v, 95), "max": max(v)}
                              for k, v in sorted(recovery.items())},
+        "full_world_seconds": {"n": len(whole), "p50": percentile(whole, 50),
+                               "p95": percentile(whole, 95)},
         "steps_redone": {"deaths": len(redone), "max": max(redone, default=0),
                          "total": sum(redone)},
         "wall_seconds": wall, "ledger_checks": len(ledger), "ledger_bad": bad,
@@ -358,6 +368,7 @@ def summarize(run_dir: str, chaos: Chaos, wall: float, step_seconds: Optional[fl
 
 REPAIR = re.compile(r"hvd_sgp: lost rank\(s\) \[([0-9, ]*)\]; .*?(?:(\d+) replacement\(s\) "
                     r"joined.*)?after a repair of ([0-9.]+) s")
+TAKE_IN = re.compile(r"hvd_sgp: (\d+) replacement\(s\) joined .*after a take-in of ([0-9.]+) s")
 
 
 def repairs(run_dir: str) -> dict:
@@ -374,10 +385,13 @@ def repairs(run_dir: str) -> dict:
              for lost, joined, t in REPAIR.findall(text)]
     single = [t for lost, joined, t in found if lost == 1 and joined == 1]
     every = [t for _, _, t in found]
+    taken = [float(t) for _, t in TAKE_IN.findall(text)]
     return {"count": len(found),
             "seconds": {"p50": percentile(every, 50), "p95": percentile(every, 95)},
             "one_lost_one_joined_seconds": {"n": len(single), "p50": percentile(single, 50),
                                             "p95": percentile(single, 95)},
+            "take_ins": {"n": len(taken), "p50": percentile(taken, 50),
+                         "p95": percentile(taken, 95)},
             "nobody_lost": sum(1 for lost, _, _ in found if lost == 0),
             "started_over": text.count("the repair starts over"),
             "spawning_rank_left": text.count("MPI_Comm_spawn does not return after that"),
