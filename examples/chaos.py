@@ -35,6 +35,8 @@ import sys
 import time
 from typing import Optional
 
+from hvd_sgp.common import options
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 KINDS = ("kill", "exit", "stop")
 MOMENTS = ("step", "in-node", "gossip", "allreduce", "collective", "join", "commit")
@@ -56,9 +58,8 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
                    "shrinks by one each failure, to 3 ranks (the repair alone, no spawn)")
     p.add_argument("--spares", type=int, default=0, help="sgprun's --spares: warm spares "
                    "that replace lost ranks (with replacements only)")
-    p.add_argument("--replace-at", choices=("commit", "repair"), default=None, help="sgprun's "
-                   "--replace-at: replacements join at the next commit (its default) or in "
-                   "the repair")
+    p.add_argument("--replace-at", choices=options.BY_NAME["replace_at"].choices,
+                   help="sgprun's --replace-at: when replacements join")
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--moments", default=",".join(MOMENTS))
     p.add_argument("--victims", default=",".join(VICTIMS))
@@ -356,7 +357,7 @@ def summarize(run_dir: str, chaos: Chaos, wall: float, step_seconds: Optional[fl
         "full_world_seconds": {"n": len(whole), "p50": percentile(whole, 50),
                                "p95": percentile(whole, 95)},
         "steps_redone": {"deaths": len(redone), "max": max(redone, default=0),
-                         "total": sum(redone)},
+                         "total": sum(redone), "data_back": data_back(run_dir)},
         "wall_seconds": wall, "ledger_checks": len(ledger), "ledger_bad": bad,
         "repairs": repairs(run_dir),
         "result": results[-1] if results else None,
@@ -364,6 +365,14 @@ def summarize(run_dir: str, chaos: Chaos, wall: float, step_seconds: Optional[fl
     if step_seconds and results:
         summary["goodput"] = results[-1]["steps"] * step_seconds / wall
     return summary
+
+
+def data_back(run_dir: str) -> int:
+    """How often the data went back (the sampler's epoch and samples done, after each step):
+    samples taken again after a death. A commit that saved the sampler's next epoch with the
+    training loop's old one had a death in an epoch's first step take the whole epoch again."""
+    done = [(int(s[5]), int(s[6])) for s in lines(run_dir, "steps.log") if len(s) > 6]
+    return sum(1 for before, after in zip(done, done[1:]) if after <= before)
 
 
 REPAIR = re.compile(r"hvd_sgp: lost rank\(s\) \[([0-9, ]*)\]; .*?(?:(\d+) replacement\(s\) "
@@ -486,6 +495,9 @@ def main(argv: Optional[list] = None) -> dict:
         raise ChaosFailed(f"the mass ledger broke: {summary['ledger_bad']}")
     if summary["result"] is None:
         raise ChaosFailed("the training did not finish")
+    if summary["steps_redone"]["data_back"]:
+        raise ChaosFailed(f"samples were taken again after a death "
+                          f"({summary['steps_redone']['data_back']} time(s))")
     if baseline and summary["result"]["accuracy"] < baseline["accuracy"] - MAX_ACCURACY_LOSS:
         raise ChaosFailed(f"final accuracy {summary['result']['accuracy']:.4f} is more than "
                           f"{MAX_ACCURACY_LOSS:.0%} below the failure-free run's "

@@ -163,14 +163,15 @@ def train(state):
             hook("collective")
             mean, mass = step_figures(loss)
             state.step += 1
+            sampler.record_batch(batch, args.batch_size)
             if hvd.rank() == 0:
                 append("steps.log", f"{time.time():.3f} {state.step} {hvd.size()} {mean:.5f} "
-                                    f"{mass!r}")
-            sampler.record_batch(batch, args.batch_size)
+                                    f"{mass!r} {sampler.epoch} {sampler.processed_num}")
             state.commit()
         hook("join")
         hvd.join()
         sampler.set_epoch(state.epoch + 1)
+        state.epoch += 1  # (committed with the sampler's next epoch, as the loop will set it)
         state.commit()
 
 

@@ -90,6 +90,7 @@ def train(state):
             print(f"epoch {state.epoch + 1:2d}  test accuracy {accuracy:.4f}  "
                   f"({hvd.size()} ranks)", flush=True)
         sampler.set_epoch(state.epoch + 1)
+        state.epoch += 1  # (committed with the sampler's next epoch, as the loop will set it)
         state.commit()
     return accuracy
 

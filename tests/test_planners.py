@@ -114,6 +114,33 @@ def test_replacements_after_a_grow_fill_nothing_twice(case):
     assert again["newcomers"][0][0] == first["next_origin"]
 
 
+@UNTIMED
+@given(losses(), st.data())
+def test_replacements_deferred_over_two_losses_restore_the_world_before_the_first(case, data):
+    """HVD_SGP_REPLACE_AT=ready or commit: a second loss comes before the first's replacements
+    join. The survivors' seats are then the shrunk world's (ranks 0..k-1); planned against
+    ``unreplaced`` of those and the first loss's seats, the take-in gives the world its shape
+    before the first loss: every survivor back in its old rank (but the one moved to rank 0),
+    every lost seat refilled."""
+    n, local_size, seats, survivors, lost, _, next_origin = case
+    assume(len(survivors) >= 2)
+    order = sorted(survivors, key=lambda origin: seats[origin][0])
+    shrunk = planners.seats(order, [seats[o][1] for o in order], [seats[o][2] for o in order])
+    second = data.draw(st.sets(st.sampled_from(order[1:]), max_size=len(order) - 2))
+    left = [origin for origin in order if origin not in second]
+    merged = planners.unreplaced(shrunk, planners.unreplaced(seats, None))
+    plan = planners.replacements(left, merged, next_origin, n - len(left), local_size)
+    slots = plan["slots"]
+    assert sorted(slots.values()) == list(range(n))
+    assert min(slots, key=slots.get) == left[0]  # rank 0 a survivor's
+    moved = [origin for origin in left if slots[origin] != seats[origin][0]]
+    assert moved == ([] if seats[left[0]][0] == 0 else [left[0]])
+    wanted = {seats[origin][0] for origin in seats if origin not in left}
+    if moved:
+        wanted = (wanted - {0}) | {seats[left[0]][0]}
+    assert {slot for _, slot, _, _ in plan["newcomers"]} == wanted
+
+
 def test_replacement_takes_the_seat_of_a_lost_rank_zero():
     seats = planners.seats([0, 1, 2, 3], [0, 0, 1, 1], ["a", "a", "b", "b"])
     plan = planners.replacements([1, 2, 3], seats, 4, 1, 2)

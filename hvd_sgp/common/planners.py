@@ -54,6 +54,15 @@ def seats(origins: Sequence[int], nodes: Sequence[Hashable],
             for slot, (origin, node, host) in enumerate(zip(origins, nodes, hosts))}
 
 
+def unreplaced(seats: dict, earlier: Optional[dict]) -> dict:
+    """The seats a deferred take-in plans its replacements against (world_grow.defer): the
+    world's before this loss (``seats``), where an earlier loss not yet replaced left
+    ``earlier``. Its seats win for the ranks it knew: the survivors keep the ranks they had
+    before it (not those the shrink gave them), and its lost ranks' seats stay vacant; a rank
+    taken in since (by a take-in a death cut short) keeps its own."""
+    return {**seats, **(earlier or {})}
+
+
 def replacements(origins: Sequence[int], seats: dict, next_origin: int, count: int,
                  local_size: Optional[int]) -> dict:
     """Where ``count`` replacements go after ranks were lost: each takes a lost rank's seat

@@ -44,12 +44,11 @@ def defer(world: World, seats: dict) -> None:
     for ``replace`` at a later commit, and start their replacements now, as warm spares on the
     lost ranks' hosts (collective; MPI_Init comes first in a spare, so the spawn costs the
     survivors about 0.1 s): they import while the survivors train on, and the take-in calls
-    them up. The pool of HVD_SGP_SPARES, where it holds enough, is used as it is. ``seats``: the world before this loss; an earlier loss not yet
-    replaced keeps its own (the survivors' seats from before it, so that its lost ranks'
-    seats stay vacant and the ranks taken in by a take-in cut short keep theirs)."""
+    them up. The pool of HVD_SGP_SPARES, where it holds enough, is used as it is. ``seats``:
+    the world before this loss (``planners.unreplaced`` keeps an earlier loss's)."""
     if world.vacated is None:
         world.vacated_at = time.monotonic()
-    world.vacated = {**seats, **(world.vacated or {})}
+    world.vacated = planners.unreplaced(seats, world.vacated)
     hosts = [host for *_, host in replacement_plan(world, world.vacated)["newcomers"]]
     spares.replenish(world.world, max(spares_wanted(), len(hosts)), world.processes, hosts)
 
