@@ -90,11 +90,27 @@ def expect(condition: bool, what: str) -> None:
         raise AssertionError(f"grow check failed on rank {hvd.rank()} (origin {origin}): {what}")
 
 
+def world_average() -> torch.Tensor:
+    """The world's de-biased average, sum of w z over sum of w (nothing is in flight between
+    two steps of SGP without overlap)."""
+    w = weight()
+    mass = torch.cat([w * params().double(), torch.tensor([w], dtype=torch.float64)])
+    total = hvd.allreduce(mass, op=hvd.Sum, name="grow.average")
+    return total[:-1] / total[-1]
+
+
+averages = []  # the world's de-biased average at the last commit since this entry, if any
+
+
 @hvd.elastic.run
 def train(state):
     z = params()
     spread = float((hvd.allreduce(z, op=hvd.Max) - hvd.allreduce(z, op=hvd.Min)).abs().max())
     weights = float(hvd.allreduce(torch.tensor([weight()], dtype=torch.float64), op=hvd.Sum))
+    if entries and hvd.size() > entries[-1][1] and averages:  # a take-in: nothing lost
+        gap = float((z.double() - averages[-1]).abs().max())
+        expect(gap < 1e-6, f"the take-in changed the de-biased average by {gap}")
+    averages.clear()
     entries.append((state.step, hvd.size(), float(z.double().sum())))
     if hvd.rank() == 0:
         print(f"grow: entry at step {state.step} on {hvd.size()} ranks: parameters spread "
@@ -129,6 +145,8 @@ def train(state):
             joined = False
             print(f"grow: rank {hvd.rank()} (origin {origin}) completed step {state.step} on "
                   f"{hvd.size()} ranks at {time.time():.3f}", flush=True)
+        if not args.overlap:
+            averages[:] = [world_average()]
         state.commit()
 
 

@@ -83,14 +83,19 @@ def answer_seconds() -> float:
 def replace(world: World) -> Optional[WorldChange]:
     """Take in the replacements a repair deferred (``defer``); every rank calls it, between two
     calls of the training function (hvd.elastic.run, after the commit's HostsUpdatedInterrupt),
-    and the newcomers join at the ``state.sync()`` that follows. As in the repair: warm spares
+    and the newcomers join at the ``state.sync()`` that follows. The survivors' optimizers fold
+    first, so the world's de-biased average is kept. As in the repair: warm spares
     where there are, else spawned processes, in the lost ranks' seats; an MPI that cannot spawn
     leaves the world as it is, and no later commit tries again. A lost rank meanwhile raises
     PeerLostError; the repair that follows keeps the vacated seats for the next commit."""
     began = time.monotonic()
     seats = dict(world.vacated)
+    size = world.world.Get_size()
     with recovery.repairing(began + recovery.repair_deadline()):
         with recovery.translated("the take-in of replacements"):
+            # the optimizers fold into their exact average first (as resize does), so that
+            # the sync's rank-0 model is the survivors' de-biased average, and their weights 1
+            notify(WorldChange(world.world, world.local, world.cross, (), size, False))
             grown = grow(world, replacement_plan(world, seats), set(world.origins), seats)
     world.vacated = None
     if grown is None:
