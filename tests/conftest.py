@@ -63,6 +63,7 @@ def pytest_runtest_protocol(item, nextitem):
 BESIDE = (  # modules, tests (with all their parameters), or test ids
     "tests/test_compression_properties.py",  # one process
     "tests/test_digits_data.py",
+    "tests/test_elastic_sampler.py",
     "tests/test_dockerfile.py",
     "tests/test_import_graph.py",
     "tests/test_mixers.py",

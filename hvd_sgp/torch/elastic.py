@@ -71,12 +71,21 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.total_size = self.num_samples * self.num_replicas
 
     def __iter__(self) -> Iterator[int]:
-        indices = self.remaining_indices[:]
-        indices += indices[:self.total_size - len(indices)]
-        return iter(indices[self.rank:self.total_size:self.num_replicas])
+        return iter(shard(self.remaining_indices, self.num_replicas, self.rank))
 
     def __len__(self) -> int:
         return self.num_samples
+
+
+def shard(indices: list, replicas: int, rank: int) -> list:
+    """This rank's share of ``indices``: ceil(n / replicas) of them on every rank, the list
+    repeated from its start as often as it takes to fill the last round. (Padding it once,
+    as Horovod's sampler does, left ranks with nothing where fewer indices than half the
+    ranks remained: they went on to the epoch's end, hvd.join(), while the others took a
+    step, and the job hung; a chaos run after a take-in at 8 ranks, 3 samples left.)"""
+    total = math.ceil(len(indices) / replicas) * replicas
+    padded = (indices * math.ceil(total / len(indices)))[:total] if indices else []
+    return padded[rank:total:replicas]
 
 
 class _StateDictHandler(_elastic.StateHandler):
