@@ -320,6 +320,11 @@ def percentile(values: list, q: float) -> Optional[float]:
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
+def quantiles(values: list) -> dict:
+    """How many, the median and the 95th percentile."""
+    return {"n": len(values), "p50": percentile(values, 50), "p95": percentile(values, 95)}
+
+
 def summarize(run_dir: str, chaos: Chaos, wall: float, step_seconds: Optional[float]) -> dict:
     steps = [(float(s[0]), int(s[1]), int(s[2]), float(s[3])) for s in lines(run_dir,
                                                                              "steps.log")]
@@ -354,8 +359,7 @@ def summarize(run_dir: str, chaos: Chaos, wall: float, step_seconds: Optional[fl
         "recovery_seconds": {k: {"n": len(v), "p50": percentile(v, 50),
                                  "p95": percentile(v, 95), "max": max(v)}
                              for k, v in sorted(recovery.items())},
-        "full_world_seconds": {"n": len(whole), "p50": percentile(whole, 50),
-                               "p95": percentile(whole, 95)},
+        "full_world_seconds": quantiles(whole),
         "steps_redone": {"deaths": len(redone), "max": max(redone, default=0),
                          "total": sum(redone), "data_back": data_back(run_dir)},
         "wall_seconds": wall, "ledger_checks": len(ledger), "ledger_bad": bad,
@@ -397,10 +401,8 @@ def repairs(run_dir: str) -> dict:
     taken = [float(t) for _, t in TAKE_IN.findall(text)]
     return {"count": len(found),
             "seconds": {"p50": percentile(every, 50), "p95": percentile(every, 95)},
-            "one_lost_one_joined_seconds": {"n": len(single), "p50": percentile(single, 50),
-                                            "p95": percentile(single, 95)},
-            "take_ins": {"n": len(taken), "p50": percentile(taken, 50),
-                         "p95": percentile(taken, 95)},
+            "one_lost_one_joined_seconds": quantiles(single),
+            "take_ins": quantiles(taken),
             "nobody_lost": sum(1 for lost, _, _ in found if lost == 0),
             "started_over": text.count("the repair starts over"),
             "spawning_rank_left": text.count("MPI_Comm_spawn does not return after that"),

@@ -49,7 +49,7 @@ def defer(world: World, seats: dict) -> None:
     if world.vacated is None:
         world.vacated_at = time.monotonic()
     world.vacated = planners.unreplaced(seats, world.vacated)
-    hosts = [host for *_, host in replacement_plan(world, world.vacated)["newcomers"]]
+    hosts = _vacated_hosts(world)
     spares.replenish(world.world, max(spares_wanted(), len(hosts)), world.processes, hosts)
 
 
@@ -68,10 +68,14 @@ def replacements_ready(world: World) -> bool:
     outcome on every rank."""
     if options.from_environment("replace_at") == "commit":
         return True
-    hosts = [host for *_, host in replacement_plan(world, world.vacated)["newcomers"]]
     overdue = time.monotonic() - world.vacated_at > answer_seconds()
     with recovery.translated("a commit's look at the replacements"):
-        return spares.ready(world.world, hosts, overdue)
+        return spares.ready(world.world, _vacated_hosts(world), overdue)
+
+
+def _vacated_hosts(world: World) -> list:
+    """The hosts the deferred replacements go to, in the plan's order (None: anywhere)."""
+    return [host for *_, host in replacement_plan(world, world.vacated)["newcomers"]]
 
 
 def answer_seconds() -> float:
@@ -102,12 +106,17 @@ def replace(world: World) -> Optional[WorldChange]:
         return None
     fault_record.write("joined " + ",".join(map(str, grown.joined)), world.origin)
     if world.world.Get_rank() == 0:
-        ranks = sorted(world.origins.index(origin) for origin in grown.joined)
-        spared = f", {grown.spares} from warm spares" if grown.spares else ""
-        print(f"hvd_sgp: {len(grown.joined)} replacement(s) joined (rank(s) {ranks}{spared}): "
-              f"back to {world.world.Get_size()} ranks at a commit, after a take-in of "
+        print(f"hvd_sgp: {joined_words(world, grown)} at a commit, after a take-in of "
               f"{time.monotonic() - began:.2f} s", file=sys.stderr, flush=True)
     return grown
+
+
+def joined_words(world: World, grown: WorldChange) -> str:
+    """Rank 0's words for the newcomers of ``grown`` (a repair's or a take-in's log line)."""
+    ranks = sorted(world.origins.index(origin) for origin in grown.joined)
+    spared = f", {grown.spares} from warm spares" if grown.spares else ""
+    return (f"{len(grown.joined)} replacement(s) joined (rank(s) {ranks}{spared}): back to "
+            f"{world.world.Get_size()} ranks")
 
 
 def _spawn_infos(world: World, hosts: list) -> list:

@@ -54,16 +54,15 @@ def repair(world: World, realign: bool) -> WorldChange:
                 comm = survivors
                 change = _rebuild(world, survivors, known, realign)
                 size = change.world.Get_size()  # (a grow frees change.world)
-                if (not realign and world.pending is None and world_grow.missing(world) > 0
-                        and options.from_environment("replace_at") != "repair"):
-                    world_grow.defer(world, seats)
-                elif (not realign and attempts < 3 and world.pending is None
-                        and world_grow.missing(world) > 0):
-                    attempts += 1
-                    comm = world.world  # a failed grow starts over from what it left
-                    with recovery.translated("the repair of the world"):
-                        grown = world_grow.grow(world, world_grow.replacement_plan(world, seats),
-                                                known, seats)
+                if not realign and world.pending is None and world_grow.missing(world) > 0:
+                    if options.from_environment("replace_at") != "repair":
+                        world_grow.defer(world, seats)
+                    elif attempts < 3:
+                        attempts += 1
+                        comm = world.world  # a failed grow starts over from what it left
+                        with recovery.translated("the repair of the world"):
+                            grown = world_grow.grow(
+                                world, world_grow.replacement_plan(world, seats), known, seats)
                 break
             except PeerLostError as error:
                 if time.monotonic() > deadline:
@@ -77,11 +76,7 @@ def repair(world: World, realign: bool) -> WorldChange:
     if grown is not None:
         fault_record.write("joined " + ",".join(map(str, grown.joined)), world.origin)
     if world.world.Get_rank() == 0:
-        ranks = sorted(world.origins.index(origin) for origin in grown.joined) if grown else []
-        spared = f", {grown.spares} from warm spares" if grown and grown.spares else ""
-        joined = (f"; {len(grown.joined)} replacement(s) joined (rank(s) "
-                  f"{ranks}{spared}): back to {world.world.Get_size()} ranks"
-                  if grown is not None else "")
+        joined = f"; {world_grow.joined_words(world, grown)}" if grown is not None else ""
         if world.vacated is not None:
             joined = f"; {world_grow.missing(world)} replacement(s) to join at a commit"
         print(f"hvd_sgp: lost rank(s) {lost}; {size} of "

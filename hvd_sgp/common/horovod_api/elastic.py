@@ -9,11 +9,12 @@ replacements start at the repair (as warm spares) and join at the first ``state.
 at which they are ready, which raises HostsUpdatedInterrupt on every rank; the loop takes
 them in (runtime.replace), calls the reset callbacks and syncs (a replacement, running the
 script from the top, joins there, at its first sync). HVD_SGP_REPLACE_AT=commit takes them in
-at the next commit, ready or not; =repair in the repair, before the survivors go on. With host discovery, ``state.commit()`` raises HostsUpdatedInterrupt on
-every rank at the same commit when the hosts changed; the loop then lays the world out for
-them (runtime.resize: ranks on removed hosts leave with status 0, newcomers are spawned on
-added ones), calls the reset callbacks, syncs unless ranks only left (Horovod's
-``skip_sync``) and calls ``train`` again, without a recovery. Without fault tolerance a lost
+at the next commit, ready or not; =repair in the repair, before the survivors go on. With
+host discovery, ``state.commit()`` raises HostsUpdatedInterrupt on every rank at the same
+commit when the hosts changed; the loop then lays the world out for them (runtime.resize:
+ranks on removed hosts leave with status 0, newcomers are spawned on added ones), calls the
+reset callbacks, syncs unless ranks only left (Horovod's ``skip_sync``) and calls ``train``
+again, without a recovery. Without fault tolerance a lost
 rank still ends the job (its error is a PeerTimeoutError, not a HorovodInternalError), and
 the loop costs nothing.
 
