@@ -219,3 +219,34 @@ def test_a_successor_takes_over_the_fold_scratch_that_fits():
     assert second[1] is not first[1] and second[1].dtype == np.float64
     assert second[2].shape == (8,) and not any(second[2] is a for a in first)
     assert fold_scratch(buffers + [np.ones(3)], first)[3].shape == (2,)  # more buffers
+
+
+def test_a_peer_lost_under_a_spawn_revokes_the_world_once_and_starts_the_clock(monkeypatch):
+    """fault_mode._stuck_under_spawn: outside recovery.spawning nothing happens; inside it,
+    the first sight of a lost peer revokes the world and starts the clock the watchdog holds
+    against the detector's timeout; later sights keep the start; a lost peer that goes away
+    (the world replaced) or leaving the spawn stops the clock."""
+    from hvd_sgp.common import fault_mode, recovery
+    revokes = []
+    monkeypatch.setattr(recovery.status, "revoke_all", lambda: revokes.append(1))
+    lost = [True]
+    assert fault_mode._stuck_under_spawn(None, lambda: lost[0]) is None and not revokes
+    with recovery.spawning():
+        began = fault_mode._stuck_under_spawn(None, lambda: lost[0])
+        assert began is not None and revokes == [1]
+        time.sleep(0.01)
+        assert fault_mode._stuck_under_spawn(began, lambda: lost[0]) == began
+        assert revokes == [1]
+        lost[0] = False
+        assert fault_mode._stuck_under_spawn(began, lambda: lost[0]) is None
+    assert fault_mode._stuck_under_spawn(began, lambda: True) is None
+
+
+def test_a_world_being_replaced_is_not_taken_for_a_lost_peer():
+    """An error from the check (a world freed under the watchdog) is no lost peer."""
+    from hvd_sgp.common import fault_mode, recovery
+
+    def freed() -> bool:
+        raise RuntimeError("freed")
+    with recovery.spawning():
+        assert fault_mode._stuck_under_spawn(None, freed) is None

@@ -35,14 +35,15 @@ HEARTBEAT_SECONDS = 0.1  # how often the thread makes MPI progress
 status = recovery.status
 
 
-def configure(world_revoked: Callable[[], bool], revoke_all: Callable[[], None],
-              origin: int, peers: Callable[[], list],
+def configure(world_revoked: Callable[[], bool], lost_peer: Callable[[], bool],
+              revoke_all: Callable[[], None], origin: int, peers: Callable[[], list],
               world: Callable[[], Optional[MPI.Comm]], release: Callable[[], None]) -> None:
     """At init: read HVD_SGP_FAULT_TOLERANT, check that MPI can do it, start the thread.
-    ``revoke_all`` revokes every hvd_sgp communicator; ``origin`` names this rank for good;
-    ``peers`` gives (origin, process) of every rank of the world as it stands, ``world`` its
-    communicator, ``release`` frees every hvd_sgp communicator (the runtime's, handed in:
-    recovery imports no runtime)."""
+    ``lost_peer`` says whether ULFM reports a member of the world failed; ``revoke_all``
+    revokes every hvd_sgp communicator; ``origin`` names this rank for good; ``peers`` gives
+    (origin, process) of every rank of the world as it stands, ``world`` its communicator,
+    ``release`` frees every hvd_sgp communicator (the runtime's, handed in: recovery imports
+    no runtime)."""
     status.revoke_all, status.origin = revoke_all, origin
     status.repair_seconds = repair_seconds()
     status.enabled = bool(options.from_environment("fault_tolerant"))
@@ -52,7 +53,7 @@ def configure(world_revoked: Callable[[], bool], revoke_all: Callable[[], None],
     status.timeout = float(options.from_environment("timeout"))
     fault_record.write("started", origin)
     if status.watchdog is None:
-        status.watchdog = threading.Thread(target=_watch, args=(world_revoked, peers),
+        status.watchdog = threading.Thread(target=_watch, args=(world_revoked, lost_peer, peers),
                                            name="hvd_sgp-watchdog", daemon=True)
         status.watchdog.start()
         threading.Thread(target=_guard, args=(os.getppid(),), name="hvd_sgp-guard",
@@ -88,21 +89,22 @@ def repair_seconds() -> float:
 
 
 # --- the silent rank excludes itself --------------------------------------------------------
-def _watch(world_revoked: Callable[[], bool], peers: Callable[[], list]) -> None:
+def _watch(world_revoked: Callable[[], bool], lost_peer: Callable[[], bool],
+           peers: Callable[[], list]) -> None:
     revoked_since: Optional[float] = None
-    stuck_since: Optional[float] = None  # the world revoked under a spawn (recovery.spawning)
+    stuck_since: Optional[float] = None  # a peer lost under a spawn (recovery.spawning)
     grace = float(options.from_environment("detector_timeout"))
     sentinel = stopped.Sentinel(grace)  # a stopped peer is found as ULFM's detector would
     while not status.stop.wait(HEARTBEAT_SECONDS):
         MPI.COMM_SELF.Iprobe()  # progress: ULFM's detector sends its heartbeats
         sentinel.check(peers())
         deadline = status.repairing
-        stuck_since = (stuck_since or time.monotonic()) if _revoked_under_spawn(
-            world_revoked) else None
+        stuck_since = _stuck_under_spawn(stuck_since, lost_peer)
         if stuck_since is not None and time.monotonic() - stuck_since > grace:
-            recovery.exclude_self("a peer was lost while this rank started new processes, and "
-                                  "MPI_Comm_spawn does not return after that: this rank leaves "
-                                  "so that the others repair without it")
+            recovery.exclude_self("a peer was lost while this rank started or connected new "
+                                  "processes, and MPI_Comm_spawn and MPI_Comm_connect do not "
+                                  "return after that: this rank leaves so that the others "
+                                  "repair without it")
         try:
             revoked = deadline is None and world_revoked()
         except Exception:  # noqa: BLE001  (the world is being replaced or MPI is finalized)
@@ -134,11 +136,23 @@ def _guard(launcher: int) -> None:
                                   f"{status.repair_seconds:.0f} s: this rank gives up and exits")
 
 
-def _revoked_under_spawn(world_revoked: Callable[[], bool]) -> bool:
+def _stuck_under_spawn(since: Optional[float], lost_peer: Callable[[], bool]
+                       ) -> Optional[float]:
+    """Since when this rank has been inside a spawn or a spare's connect (recovery.spawning)
+    with a peer of the world lost; None where it is not. At the first sight it revokes the
+    world: the take-in fails anyway, and the others, wherever they wait, learn it at once.
+    Open MPI 5.0's MPI_Comm_spawn on its root, and MPI_Comm_connect on every rank of a chaos
+    run's take-in, stayed blocked for good after a peer died in them (the world unrevoked, so
+    nothing else ended them before the repair's deadline)."""
     try:
-        return status.spawning and world_revoked()
+        lost = status.spawning and lost_peer()
     except Exception:  # noqa: BLE001  (the world is being replaced)
-        return False
+        lost = False
+    if not lost:
+        return None
+    if since is None:
+        status.revoke_all()
+    return since or time.monotonic()
 
 
 def _finalize(world: Callable[[], Optional[MPI.Comm]], release: Callable[[], None]) -> None:

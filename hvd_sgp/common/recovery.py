@@ -45,7 +45,7 @@ class _Status:
         self.origin: Optional[int] = None  # this rank's launch rank, once initialized
         self.elastic_depth = 0  # > 0 while hvd.elastic.run runs the training function
         self.repairing: Optional[float] = None  # the deadline of the repair under way
-        self.spawning = False  # inside a grow's MPI_Comm_spawn and merge (world_grow.grow)
+        self.spawning = False  # inside a spawn or a take-in's connect (recovery.spawning)
         self.failure_noticed = False  # set when PeerLostError is raised, cleared by a repair
         self.repairs = 0  # completed repairs of the world
         self.replacement = False  # this process replaced a lost rank (world_grow.arrive)
@@ -171,12 +171,13 @@ def repairing(deadline: float) -> Iterator[None]:
 
 @contextlib.contextmanager
 def spawning() -> Iterator[None]:
-    """Around a grow's MPI_Comm_spawn and intercommunicator merge: when another rank revokes
-    the world meanwhile (a peer lost during the grow), Open MPI 5.0's spawn does not return on
-    the spawning rank (its connect with the new processes waits for the dead peer) while the
-    others fail and begin the repair again; the watchdog then ends this rank after the
-    detector's timeout, so that the others repair without it rather than wait for it until
-    the repair's deadline."""
+    """Around a grow's MPI_Comm_spawn, a take-in's MPI_Comm_connect to warm spares and their
+    merges: when a peer of the world is lost meanwhile, Open MPI 5.0's spawn does not return on
+    the spawning rank (its connect with the new processes waits for the dead peer), and a
+    take-in's connect did not return on any survivor (a chaos run). The watchdog then revokes
+    the world at once (the others, wherever they wait, fail and repair) and ends this rank
+    after the detector's timeout, so that the others repair without it rather than wait for
+    it until the repair's deadline (fault_mode._stuck_under_spawn)."""
     status.spawning = True
     try:
         yield

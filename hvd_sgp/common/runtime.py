@@ -100,8 +100,8 @@ def init(comm: Optional[MPI.Comm] = None) -> None:
             world.discovered = discovered
             world.allocated = {name for name, _ in discovered}
     place.install(world)
-    fault_mode.configure(_world_revoked, _revoke_all, world.origin, _peers, _world_comm,
-                         _release)
+    fault_mode.configure(_world_revoked, _world_lost_peer, _revoke_all, world.origin, _peers,
+                         _world_comm, _release)
     watchdog.start(world.world, world.origins, float(options.from_environment("timeout")),
                    world.thread_level >= MPI.THREAD_MULTIPLE)
     _abort_on_uncaught_errors()
@@ -228,6 +228,11 @@ def _revoke_all() -> None:
 def _world_revoked() -> bool:
     world = place.current()
     return world is not None and world.revoked()
+
+
+def _world_lost_peer() -> bool:
+    world = place.current()
+    return world is not None and world.lost_peer()
 
 
 def _peers() -> list:

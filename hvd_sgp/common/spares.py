@@ -196,7 +196,7 @@ def call(comm: MPI.Comm, chosen: list, answer_seconds: float) -> Optional[MPI.In
     poll, 20 ms)."""
     me = comm.Get_rank()
     mine = [spare for spare, caller in chosen if caller == me]
-    answered = _answers(mine, answer_seconds)
+    answered = _answers(comm, mine, answer_seconds)
     views = _gather(comm, [int(spare in mine and spare not in answered) for spare, _ in chosen])
     silent = {spare.port for index, (spare, _) in enumerate(chosen)
               if any(view[index] for view in views)}
@@ -225,13 +225,16 @@ def _gather(comm: MPI.Comm, values: list) -> list:
     return out.reshape(comm.Get_size(), len(values)).tolist()
 
 
-def _answers(spares: list, seconds: float) -> list:
+def _answers(comm: MPI.Comm, spares: list, seconds: float) -> list:
     """Call ``spares`` up and return those that answered within ``seconds`` (a spare still
     importing answers once it reaches init(); a stopped one on this machine is killed by the
-    sentinel meanwhile, and one that says nothing is killed here)."""
+    sentinel meanwhile, and one that says nothing is killed here). Cut short when the
+    survivors' world ``comm`` is revoked (a peer lost: the gather that follows fails)."""
     waiting, answered = [spare for spare in spares if _tell(spare, _CALL)], []
     deadline = time.monotonic() + seconds
     while waiting and time.monotonic() < deadline:
+        if comm.Is_revoked():
+            return answered  # (the waiting ones are left alone, called again later)
         for spare in list(waiting):
             sent = _sent(spare.inter, _ANSWER)
             if sent is not False:  # (None: it died)

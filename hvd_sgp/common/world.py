@@ -101,6 +101,20 @@ class World:
         with self._lock:
             return not self._closed and self.world.Is_revoked()
 
+    def lost_peer(self) -> bool:
+        """Whether ULFM reports a member of the world failed, or the world revoked (no
+        communication: what this process has learnt so far)."""
+        with self._lock:
+            if self._closed:
+                return False
+            if self.world.Is_revoked():
+                return True
+            failed = self.world.Get_failed()
+            try:
+                return failed.Get_size() > 0
+            finally:
+                failed.Free()
+
     def close(self) -> None:
         """Free the communicators (runtime.shutdown); nothing is revoked after."""
         with self._lock:
