@@ -250,3 +250,19 @@ def test_a_world_being_replaced_is_not_taken_for_a_lost_peer():
         raise RuntimeError("freed")
     with recovery.spawning():
         assert fault_mode._stuck_under_spawn(None, freed) is None
+
+
+def test_ranks_on_machine_counts_the_entries_here_without_a_communicator(monkeypatch):
+    """world.ranks_on_machine (a crowded host's polling, process_sets.start) counts the
+    entries whose process runs on this kernel boot; a machine that cannot tell counts by host
+    name."""
+    from hvd_sgp.common import stopped
+    from hvd_sgp.common.world import ranks_on_machine
+    me = stopped.identity()
+    assert me is not None  # (Linux: /proc/sys/kernel/random/boot_id)
+    processes = [me, (me[0], me[1] + 1, me[2]), ("another-boot",) + me[1:], None]
+    hosts = ["a", "a", "b", "b"]
+    assert ranks_on_machine(processes, hosts, "a") == 2
+    monkeypatch.setattr(stopped, "identity", lambda: None)
+    assert ranks_on_machine(processes, hosts, "b") == 2
+    assert ranks_on_machine(processes, ["a", "b", "b", "b"], "b") == 3

@@ -25,6 +25,17 @@ class Entry(NamedTuple):
     process: stopped.Identity  # (so that a peer on its machine can tell it is stopped)
 
 
+def ranks_on_machine(processes: list, hosts: list, host: str) -> int:
+    """How many of the ranks whose processes and hosts are given run on this machine (one
+    kernel boot; by ``host``'s name where this machine cannot tell). From the gathered entries:
+    no communicator is built for it, so no window where Open MPI 5.0 crashes a survivor that
+    learns of a failure (docs/faults.md, session 28)."""
+    mine = stopped.identity()
+    if mine is None:
+        return hosts.count(host)
+    return sum(1 for peer in processes if peer is not None and peer[0] == mine[0])
+
+
 def entry(origin: int, node: Any, host: str) -> Entry:
     """This process's entry, to be gathered by every rank."""
     return Entry(origin, node, host, stopped.identity())
@@ -96,6 +107,10 @@ class World:
             comms = [self.world, self.local, self.cross, *_tracked]
         for comm in comms:
             revoke(comm)
+
+    def ranks_here(self) -> int:
+        """How many ranks of the world run on this rank's machine (see ``ranks_on_machine``)."""
+        return ranks_on_machine(self.processes, self.hosts, self.host)
 
     def revoked(self) -> bool:
         with self._lock:

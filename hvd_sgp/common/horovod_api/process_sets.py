@@ -92,9 +92,7 @@ def start(settings: Settings) -> None:
     world = place.world_comm()
     n = world.Get_size()
     negotiation.controllers[0] = Controller(_dup(world, settings.timeout), 0, range(n), settings)
-    host = world.Split_type(MPI.COMM_TYPE_SHARED)
-    negotiation.set_crowded(host.Get_size() > len(os.sched_getaffinity(0)))
-    recovery.free(host)
+    negotiation.set_crowded(place.require().ranks_here() > len(os.sched_getaffinity(0)))
     _sets[0] = _Registered(tuple(range(n)), world)
     global_process_set.ranks = list(range(n))
     _world = world
