@@ -266,3 +266,27 @@ def test_ranks_on_machine_counts_the_entries_here_without_a_communicator(monkeyp
     monkeypatch.setattr(stopped, "identity", lambda: None)
     assert ranks_on_machine(processes, hosts, "b") == 2
     assert ranks_on_machine(processes, ["a", "b", "b", "b"], "b") == 3
+
+
+def test_a_rank_stuck_in_one_of_the_repairs_collectives_is_ended_past_its_bound(monkeypatch):
+    """fault_mode._check_bounds: inside recovery.blocked_in, nothing before the bound; past
+    it, the rank leaves naming the call; the agreement's bound is the longer one (``extra``),
+    so a rank stuck in the shrink leaves before those waiting for it in the agreement."""
+    from hvd_sgp.common import fault_mode, recovery
+    import os
+    left = []
+    monkeypatch.setattr(recovery, "exclude_self", left.append)
+    monkeypatch.setattr(recovery.status, "call_seconds", 0.05)
+    with recovery.blocked_in("MPI_Comm_shrink"):
+        fault_mode._check_bounds(os.getppid())
+        assert not left
+        shrink_deadline = recovery.status.blocked[1]
+        time.sleep(0.06)
+        fault_mode._check_bounds(os.getppid())
+    assert len(left) == 1 and left[0].startswith("MPI_Comm_shrink did not return within")
+    assert recovery.status.blocked is None
+    with recovery.blocked_in("MPI_Comm_agree", extra=1.0):
+        assert recovery.status.blocked[1] > shrink_deadline + 1.0
+        time.sleep(0.06)
+        fault_mode._check_bounds(os.getppid())
+    assert len(left) == 1

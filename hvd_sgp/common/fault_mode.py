@@ -46,6 +46,7 @@ def configure(world_revoked: Callable[[], bool], lost_peer: Callable[[], bool],
     no runtime)."""
     status.revoke_all, status.origin = revoke_all, origin
     status.repair_seconds = repair_seconds()
+    status.call_seconds = call_seconds()
     status.enabled = bool(options.from_environment("fault_tolerant"))
     if not status.enabled:
         return
@@ -88,6 +89,14 @@ def repair_seconds() -> float:
             + 4 * float(options.from_environment("detector_timeout")) + 30)
 
 
+def call_seconds() -> float:
+    """Seconds one of the repair's own collectives may take (recovery.blocked_in): a silent
+    rank excludes itself after HVD_SGP_TIMEOUT, and ULFM reports a lost one within its
+    detector's timeout, twice over for a second loss during the call."""
+    return (float(options.from_environment("timeout"))
+            + 2 * float(options.from_environment("detector_timeout")) + 5)
+
+
 # --- the silent rank excludes itself --------------------------------------------------------
 def _watch(world_revoked: Callable[[], bool], lost_peer: Callable[[], bool],
            peers: Callable[[], list]) -> None:
@@ -124,16 +133,28 @@ def _guard(launcher: int) -> None:
     """The bounds that need no MPI, kept by a thread that makes no MPI call, so that no
     blocked MPI call holds them (the heartbeat's included: a survivor of a chaos run sat in
     MPI_Comm_shrink for 50 minutes after its job ended, Open MPI's TCP progress thread
-    deadlocked inside a revoke). The repair's deadline, and the launcher: a rank whose parent
-    (the launcher's daemon) is gone has lost its job, so it exits instead of living on."""
+    deadlocked inside a revoke)."""
     while not status.stop.wait(HEARTBEAT_SECONDS):
-        if os.getppid() != launcher:
-            recovery.exclude_self(f"its launcher (process {launcher}) is gone, so its job has "
-                                  "ended: this rank exits")
-        deadline = status.repairing
-        if deadline is not None and time.monotonic() > deadline:
-            recovery.exclude_self(f"the repair of the world did not complete within "
-                                  f"{status.repair_seconds:.0f} s: this rank gives up and exits")
+        _check_bounds(launcher)
+
+
+def _check_bounds(launcher: int) -> None:
+    """End this rank past a bound: its launcher gone (its parent, the launcher's daemon: the
+    job has ended), the repair's deadline, or one of the repair's collectives that did not
+    return in time (recovery.blocked_in)."""
+    if os.getppid() != launcher:
+        recovery.exclude_self(f"its launcher (process {launcher}) is gone, so its job has "
+                              "ended: this rank exits")
+    deadline = status.repairing
+    if deadline is not None and time.monotonic() > deadline:
+        recovery.exclude_self(f"the repair of the world did not complete within "
+                              f"{status.repair_seconds:.0f} s: this rank gives up and exits")
+    blocked = status.blocked
+    if blocked is not None and time.monotonic() > blocked[1]:
+        recovery.exclude_self(f"{blocked[0]} did not return within {status.call_seconds:.0f} s "
+                              "in the repair of the world, though ULFM would have reported a "
+                              "lost peer by then (stuck inside MPI): this rank leaves so that "
+                              "the others repair without it")
 
 
 def _stuck_under_spawn(since: Optional[float], lost_peer: Callable[[], bool]

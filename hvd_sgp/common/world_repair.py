@@ -47,7 +47,8 @@ def repair(world: World, realign: bool) -> WorldChange:
             world.revoke_all()
             recovery.end_workers(deadline)  # (join()'s served step ends at the revoke)
             try:
-                with recovery.translated("the repair of the world"):
+                with recovery.translated("the repair of the world"), \
+                        recovery.blocked_in("MPI_Comm_shrink"):
                     survivors = comm.Shrink()  # (Ishrink fails on a revoked world in 5.0)
                 if comm != world.world:  # an earlier attempt's, never installed here
                     recovery.free(comm)
@@ -108,7 +109,9 @@ def _rebuild(world: World, survivors: MPI.Comm, known: set, realign: bool) -> Wo
         world.revoke_all()
         revoke(survivors)
     foreign = failure is not None and not isinstance(failure, PeerLostError)
-    with recovery.translated("the agreement that ends the repair"):  # a death: start over
+    waited = float(options.from_environment("detector_timeout"))  # (for a rank stuck before)
+    with recovery.translated("the agreement that ends the repair"), recovery.blocked_in(
+            "MPI_Comm_agree", extra=waited):  # a death: start over
         agreed = survivors.Agree(int(failure is None) | 2 * int(not foreign))
     if agreed & 1:
         return change
