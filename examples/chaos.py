@@ -388,7 +388,9 @@ def repairs(run_dir: str) -> dict:
     """What rank 0 said of each repair in sgprun's output: how many, how long (all of them,
     and those that replaced one lost rank), and the unusual ones: a repair that found nobody
     lost, one that started over (a death inside it), a spawning rank that left (a death cut
-    its MPI_Comm_spawn short) and a stopped peer killed by the sentinel (stopped.py)."""
+    its MPI_Comm_spawn or a take-in's connect short), a rank that left stuck in one of the
+    repair's collectives (recovery.blocked_in) and a stopped peer killed by the sentinel
+    (stopped.py)."""
     try:
         with open(os.path.join(run_dir, "sgprun.out"), errors="replace") as f:
             text = f.read()
@@ -405,7 +407,8 @@ def repairs(run_dir: str) -> dict:
             "take_ins": quantiles(taken),
             "nobody_lost": sum(1 for lost, _, _ in found if lost == 0),
             "started_over": text.count("the repair starts over"),
-            "spawning_rank_left": text.count("MPI_Comm_spawn does not return after that"),
+            "spawning_rank_left": text.count("MPI_Comm_connect do not return after that"),
+            "stuck_rank_left": text.count("in the repair of the world, though ULFM would"),
             "stopped_peers_killed": text.count("was stopped for")}
 
 
