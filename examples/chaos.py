@@ -114,7 +114,8 @@ def launch(args: argparse.Namespace, run_dir: str) -> subprocess.Popen:
     if args.detector_timeout is not None:
         cmd += ["--detector-timeout", f"{args.detector_timeout:g}"]
     cmd += [sys.executable, os.path.join(HERE, "chaos_train.py"), "--dir", run_dir,
-            "--epochs", str(args.epochs), "--hidden", str(args.hidden)]
+            "--epochs", str(args.epochs), "--hidden", str(args.hidden),
+            "--whole", str(0 if args.no_replace else args.np)]
     out = open(os.path.join(run_dir, "sgprun.out"), "w")
     return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                             start_new_session=True)

@@ -32,6 +32,9 @@ from hvd_sgp.common import engine, runtime
 parser = argparse.ArgumentParser(description="chaos-run training (see examples/chaos.py)")
 parser.add_argument("--dir", required=True, help="the run's directory (orders, logs)")
 parser.add_argument("--epochs", type=int, default=30)
+parser.add_argument("--whole", type=int, default=0, help="after the last epoch, commit until "
+                    "the world has this many ranks again (30 s at most), so that the last "
+                    "lost ranks' replacements join before the end")
 parser.add_argument("--hidden", type=int, default=64, help="hidden width (964: 1M parameters, "
                     "4963: 25M)")
 parser.add_argument("--batch-size", type=int, default=16)
@@ -173,6 +176,10 @@ def train(state):
         sampler.set_epoch(state.epoch + 1)
         state.epoch += 1  # (committed with the sampler's next epoch, as the loop will set it)
         state.commit()
+    until = time.time() + 30
+    while hvd.size() < args.whole and time.time() < until:
+        time.sleep(0.05)
+        state.commit()  # (a take-in comes here: HostsUpdatedInterrupt, then this loop again)
 
 
 state = CommitState(model, optimizer, sampler=sampler, epoch=0, step=0)
