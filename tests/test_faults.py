@@ -289,4 +289,7 @@ def test_a_rank_stuck_in_one_of_the_repairs_collectives_is_ended_past_its_bound(
         assert recovery.status.blocked[1] > shrink_deadline + 1.0
         time.sleep(0.06)
         fault_mode._check_bounds(os.getppid())
-    assert len(left) == 1
+        assert len(left) == 1
+        recovery.status.blocked = ("MPI_Comm_agree", 0.0, 1.05)  # (the message's bound)
+        fault_mode._check_bounds(os.getppid())
+    assert left[1].startswith("MPI_Comm_agree did not return within 1 s")

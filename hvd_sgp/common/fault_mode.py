@@ -151,7 +151,7 @@ def _check_bounds(launcher: int) -> None:
                               f"{status.repair_seconds:.0f} s: this rank gives up and exits")
     blocked = status.blocked
     if blocked is not None and time.monotonic() > blocked[1]:
-        recovery.exclude_self(f"{blocked[0]} did not return within {status.call_seconds:.0f} s "
+        recovery.exclude_self(f"{blocked[0]} did not return within {blocked[2]:.0f} s "
                               "in the repair of the world, though ULFM would have reported a "
                               "lost peer by then (stuck inside MPI): this rank leaves so that "
                               "the others repair without it")

@@ -47,7 +47,7 @@ class _Status:
         self.repairing: Optional[float] = None  # the deadline of the repair under way
         self.spawning = False  # inside a spawn or a take-in's connect (recovery.spawning)
         self.call_seconds = 0.0  # how long one of the repair's calls may take (fault_mode)
-        self.blocked: Optional[tuple] = None  # (call, deadline) of that call (blocked_in)
+        self.blocked: Optional[tuple] = None  # (call, deadline, bound) of it (blocked_in)
         self.failure_noticed = False  # set when PeerLostError is raised, cleared by a repair
         self.repairs = 0  # completed repairs of the world
         self.replacement = False  # this process replaced a lost rank (world_grow.arrive)
@@ -178,9 +178,11 @@ def blocked_in(call: str, extra: float = 0.0) -> Iterator[None]:
     detector would have reported any lost peer by then, and fault_mode's guard ends it. A chaos
     run saw one survivor stay in MPI_Comm_shrink while the six others, their shrink done,
     waited for it in the agreement that ends the repair: without this bound every survivor
-    reached the repair's deadline together and the job was lost. The agreement's bound is
-    the longer (``extra``), so that the stuck rank leaves first and the waiting ones learn it."""
-    status.blocked = (call, time.monotonic() + status.call_seconds + extra)
+    would have reached the repair's deadline together, and the job would have been lost. The
+    agreement's bound is the longer (``extra``), so that the stuck rank leaves first and the
+    waiting ones learn it."""
+    seconds = status.call_seconds + extra
+    status.blocked = (call, time.monotonic() + seconds, seconds)
     try:
         yield
     finally:
