@@ -4,8 +4,10 @@ python scripts/comm_create_crash.py [LAUNCHES] [NP]
 Each launch (mpirun with ULFM and its detector, NP ranks) creates and frees communicators
 (MPI_Comm_split) in a loop while one rank, chosen by the launch's seed, is SIGKILLed 0.2-0.6 s
 in. Survivors should see MPI_ERR_PROC_FAILED; Open MPI 5.0.10 and 5.0.11 instead crash some of
-them in ompi_comm_revoke_local (fault_mode.KNOWN_CRASHES). Prints the launches with a crashed
-rank, the crashed ranks, and those in ompi_comm_revoke_local; 5.0.11 gave 7 of 24, 5.0.9 0."""
+them in ompi_comm_revoke_local (docs/faults.md, session 28). Prints the launches with a
+crashed rank, the crashed ranks, and those in ompi_comm_revoke_local; 5.0.11 gave 7 of 24,
+5.0.9 0. The MPI flags are sgprun --fault-tolerant's that matter here, written out so that
+the script needs only mpi4py."""
 import os
 import random
 import signal
