@@ -242,6 +242,37 @@ def test_a_peer_lost_under_a_spawn_revokes_the_world_once_and_starts_the_clock(m
     assert fault_mode._stuck_under_spawn(began, lambda: True) is None
 
 
+def test_any_mpi_error_is_a_lost_peer_while_ulfm_reports_one(monkeypatch):
+    """recovery.is_failure: ERR_INTERN (what a take-in's MPI_Comm_idup cut short by a death
+    ended in on every survivor of a chaos run) is a lost peer while ULFM reports a member of
+    the world failed, and goes up as itself otherwise; without fault tolerance nothing is."""
+    from hvd_sgp.common import recovery
+    from hvd_sgp.common.mpi import MPI
+    lost = [False]
+    monkeypatch.setattr(recovery.status, "enabled", True)
+    monkeypatch.setattr(recovery.status, "lost_peer", lambda: lost[0])
+    monkeypatch.setattr(recovery.status, "revoke_all", lambda: None)
+    monkeypatch.setattr(recovery.status, "failure_noticed", False)
+    intern, failed = MPI.Exception(MPI.ERR_INTERN), MPI.Exception(MPI.ERR_PROC_FAILED)
+    assert recovery.is_failure(failed) and not recovery.is_failure(intern)
+    with pytest.raises(MPI.Exception):
+        with recovery.translated("a take-in"):
+            raise intern
+    lost[0] = True
+    assert recovery.is_failure(intern) and not recovery.is_failure(ValueError("x"))
+    with pytest.raises(PeerLostError, match="a peer was lost during a take-in"):
+        with recovery.translated("a take-in"):
+            raise intern
+
+    def freed() -> bool:
+        raise MPI.Exception(MPI.ERR_COMM)
+    monkeypatch.setattr(recovery.status, "lost_peer", freed)
+    assert not recovery.is_failure(intern)
+    monkeypatch.setattr(recovery.status, "enabled", False)
+    monkeypatch.setattr(recovery.status, "lost_peer", lambda: True)
+    assert not recovery.is_failure(intern) and not recovery.is_failure(failed)
+
+
 def test_a_world_being_replaced_is_not_taken_for_a_lost_peer():
     """An error from the check (a world freed under the watchdog) is no lost peer."""
     from hvd_sgp.common import fault_mode, recovery

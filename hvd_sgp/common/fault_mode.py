@@ -44,7 +44,7 @@ def configure(world_revoked: Callable[[], bool], lost_peer: Callable[[], bool],
     (origin, process) of every rank of the world as it stands, ``world`` its communicator,
     ``release`` frees every hvd_sgp communicator (the runtime's, handed in: recovery imports
     no runtime)."""
-    status.revoke_all, status.origin = revoke_all, origin
+    status.revoke_all, status.lost_peer, status.origin = revoke_all, lost_peer, origin
     status.repair_seconds = repair_seconds()
     status.call_seconds = call_seconds()
     status.enabled = bool(options.from_environment("fault_tolerant"))
@@ -54,7 +54,7 @@ def configure(world_revoked: Callable[[], bool], lost_peer: Callable[[], bool],
     status.timeout = float(options.from_environment("timeout"))
     fault_record.write("started", origin)
     if status.watchdog is None:
-        status.watchdog = threading.Thread(target=_watch, args=(world_revoked, lost_peer, peers),
+        status.watchdog = threading.Thread(target=_watch, args=(world_revoked, peers),
                                            name="hvd_sgp-watchdog", daemon=True)
         status.watchdog.start()
         threading.Thread(target=_guard, args=(os.getppid(),), name="hvd_sgp-guard",
@@ -98,8 +98,7 @@ def call_seconds() -> float:
 
 
 # --- the silent rank excludes itself --------------------------------------------------------
-def _watch(world_revoked: Callable[[], bool], lost_peer: Callable[[], bool],
-           peers: Callable[[], list]) -> None:
+def _watch(world_revoked: Callable[[], bool], peers: Callable[[], list]) -> None:
     revoked_since: Optional[float] = None
     stuck_since: Optional[float] = None  # a peer lost under a spawn (recovery.spawning)
     grace = float(options.from_environment("detector_timeout"))
@@ -108,7 +107,7 @@ def _watch(world_revoked: Callable[[], bool], lost_peer: Callable[[], bool],
         MPI.COMM_SELF.Iprobe()  # progress: ULFM's detector sends its heartbeats
         sentinel.check(peers())
         deadline = status.repairing
-        stuck_since = _stuck_under_spawn(stuck_since, lost_peer)
+        stuck_since = _stuck_under_spawn(stuck_since, status.lost_peer)
         if stuck_since is not None and time.monotonic() - stuck_since > grace:
             recovery.exclude_self("a peer was lost while this rank started or connected new "
                                   "processes, and MPI_Comm_spawn and MPI_Comm_connect do not "

@@ -28,7 +28,8 @@ from hvd_sgp.common.mpi import MPI
 
 # The error classes of a lost peer: ERR_IN_STATUS is what Testall reports for them, and some
 # collective components report ERR_OTHER. (Taking a stray error for a failure costs a repair
-# that finds nobody lost, and training goes on.)
+# that finds nobody lost, and training goes on.) Any other class counts too while ULFM reports
+# a member of the world failed (``is_failure``).
 FAILURE_CLASSES = frozenset({MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING,
                              MPI.ERR_REVOKED, MPI.ERR_IN_STATUS, MPI.ERR_OTHER})
 
@@ -42,6 +43,7 @@ class _Status:
         self.timeout = 300.0
         self.repair_seconds = 0.0  # how long a repair may take (fault_mode.repair_seconds)
         self.revoke_all: Callable[[], None] = lambda: None  # the runtime's
+        self.lost_peer: Callable[[], bool] = lambda: False  # the runtime's (World.lost_peer)
         self.origin: Optional[int] = None  # this rank's launch rank, once initialized
         self.elastic_depth = 0  # > 0 while hvd.elastic.run runs the training function
         self.repairing: Optional[float] = None  # the deadline of the repair under way
@@ -65,9 +67,19 @@ def enabled() -> bool:
 
 # --- noticing a failure -------------------------------------------------------------------
 def is_failure(error: BaseException) -> bool:
-    """An MPI error that means a lost peer (in fault-tolerant mode)."""
-    return (status.enabled and isinstance(error, MPI.Exception)
-            and error.Get_error_class() in FAILURE_CLASSES)
+    """An MPI error that means a lost peer (in fault-tolerant mode): one of FAILURE_CLASSES, or
+    any class while ULFM reports a member of the world failed. A nonblocking collective that
+    a death cuts short may end in ERR_INTERN (Open MPI 5.0's NBC aborts its schedule on
+    ERR_PROC_FAILED: a take-in's MPI_Comm_idup in a chaos run ended so on every survivor, and
+    the job with it)."""
+    if not (status.enabled and isinstance(error, MPI.Exception)):
+        return False
+    if error.Get_error_class() in FAILURE_CLASSES:
+        return True
+    try:
+        return status.lost_peer()
+    except MPI.Exception:  # (the world is being replaced)
+        return False
 
 
 def lost(message: str) -> PeerLostError:
