@@ -5,7 +5,8 @@ crashed worker), even though training completed. Under ``sgprun --fault-tolerant
 appends one-line events to its own file in a directory named by ``HVD_SGP_FAULT_RECORD``:
 ``started``, ``lost <ranks>`` (written by the survivors after a repair), ``joined <ranks>``
 (replacements or newcomers taken in, by their launch ranks), ``left`` (a rank whose host the
-discovery script removed, leaving by plan), ``failed`` (an uncaught exception), ``finished``
+discovery script removed, leaving by plan), ``noticed <what>`` (a lost peer noticed here,
+recovery.lost), ``failed`` (an uncaught exception), ``finished``
 (normal interpreter exit), ``finalizing <seconds>`` (MPI_Finalize begins, the process
 ending within those seconds at the latest: its exit alarm) and ``finalized`` (it returned).
 ``verdict`` reads them back.

@@ -83,8 +83,12 @@ def is_failure(error: BaseException) -> bool:
 
 
 def lost(message: str) -> PeerLostError:
-    """Revoke every hvd_sgp communicator (so every rank learns) and return the error to raise."""
+    """Revoke every hvd_sgp communicator (so every rank learns) and return the error to raise.
+    The rank's record keeps what it noticed: where a repair finds nobody lost, the rank that
+    noticed first says why."""
     status.failure_noticed = True
+    if status.origin is not None:
+        fault_record.write(f"noticed {message}", status.origin)
     status.revoke_all()
     return PeerLostError(f"{message}; the survivors repair the world and go on")
 
