@@ -121,7 +121,10 @@ def test_sgprun_names_the_lost_ranks_when_mpirun_counts_none(tmp_path, capsys):
         fault_record.write("finished", rank, env)
     fault_record.write("failed", 2, env)
     for rank in (0, 1):
+        fault_record.write("noticed a peer was lost during the exchange (MPI_ERR_PROC_FAILED: "
+                           "Process Failure), 3 failed", rank, env)  # (what, not who)
         fault_record.write("lost 2", rank, env)
+    assert fault_record.verdict(str(tmp_path)).lost == {2}
     assert launch.fault_tolerant_status(0, str(tmp_path), 3) == 0
     err = capsys.readouterr().err
     assert "training completed on 2 ranks; rank(s) [2] were lost and excluded" in err
