@@ -11,7 +11,9 @@ the in-node reduce, the SGP exchange, an AllReduce stage, a Horovod collective,
 later (it then finds itself excluded and leaves). The next failure comes once the world is
 whole again and a few steps have passed.
 
-The run fails when no step completes for ``--hang-seconds`` (60), when the PushSum weights do
+The run fails when no step completes for ``--hang-seconds`` (60), when rank 0 reports
+``--repair-loop`` (10) repairs in a row that found nobody lost (a livelock: steps go on, slowly,
+between repairs of nothing), when the PushSum weights do
 not sum to the world's size after any step or at the end (a message counted twice adds
 weight), when sgprun's status is not 0, or, with ``--baseline``, when the
 final accuracy is more than ``MAX_ACCURACY_LOSS`` (1 point) below the failure-free run's.
@@ -75,6 +77,8 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--stop-seconds", type=float, default=20.0, help="how long a frozen rank "
                    "stays frozen (longer than the detector timeout: it is declared dead)")
     p.add_argument("--hang-seconds", type=float, default=60.0)
+    p.add_argument("--repair-loop", type=int, default=10, help="repairs in a row that find "
+                   "nobody lost, which fail the run")
     p.add_argument("--start-seconds", type=float, default=600.0, help="how long the first "
                    "step may take (8 ranks importing torch on a loaded machine)")
     p.add_argument("--seed", type=int, default=0)
@@ -157,6 +161,8 @@ class Chaos:
         self.size = 0  # the world's size at the latest step
         self.withdrawn = 0  # orders whose moment did not come
         self.frozen: set = set()  # (time, origin) of the stop deaths already scheduled
+        self.read = 0  # how far sgprun's output has been read for repairs (``repair_loop``)
+        self.empty_repairs = 0  # repairs in a row that found nobody lost
 
     def pick(self, alive: dict) -> Optional[tuple]:
         """(origin, victim class) or None when no rank fits the class drawn (or none has
@@ -251,6 +257,7 @@ class Chaos:
             if now - last_step_at > limit:
                 raise ChaosFailed(f"no step completed for {now - last_step_at:.0f} s "
                                   f"(after {seen} steps): a hang")
+            self.repair_loop()
             if len(self.planned) >= self.args.failures or not steps:
                 continue
             if self.pending():
@@ -264,6 +271,25 @@ class Chaos:
             if len(steps) - whole_since >= self.args.gap:
                 if self.inject(ranks(self.dir)):
                     whole_since = None
+
+    def repair_loop(self) -> None:
+        """Raise once rank 0 has reported --repair-loop repairs in a row that found nobody
+        lost: something revokes the repaired world over and over (a livelock a chaos run
+        fell into, which the hang rule missed: a step still completed every few seconds)."""
+        try:
+            with open(os.path.join(self.dir, "sgprun.out"), "rb") as out:
+                out.seek(self.read)
+                raw = out.read()
+        except OSError:
+            return
+        whole = raw.rfind(b"\n") + 1  # (a line still being written waits for the next look)
+        self.read += whole
+        text = raw[:whole].decode(errors="replace")
+        for lost, _, _ in REPAIR.findall(text):
+            self.empty_repairs = 0 if lost.strip() else self.empty_repairs + 1
+            if self.empty_repairs >= self.args.repair_loop:
+                raise ChaosFailed(f"{self.empty_repairs} repairs in a row found nobody lost: "
+                                  "a livelock")
 
     def pending(self) -> bool:
         """An order not yet carried out (its rank has not reached the moment); one older than

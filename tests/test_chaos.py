@@ -103,6 +103,31 @@ def test_reduced_chaos_run(tmp_path):
     assert not left, f"processes of the run still alive after it ended: {left}"
 
 
+def test_a_loop_of_repairs_that_find_nobody_lost_fails_the_chaos_run(tmp_path):
+    """The chaos driver's livelock rule: --repair-loop repairs in a row that found nobody lost
+    fail the run, though steps go on between them; a repair that lost somebody starts the
+    count again, and a line still being written is read once it is whole."""
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        import chaos
+    finally:
+        sys.path.remove(str(REPO / "examples"))
+    driver = chaos.Chaos(chaos.parse(["--repair-loop", "3"]), str(tmp_path))
+    out = tmp_path / "sgprun.out"
+
+    def said(text: str) -> None:
+        with open(out, "a") as handle:
+            handle.write(text)
+        driver.repair_loop()
+
+    empty = "hvd_sgp: lost rank(s) []; 6 of 6 ranks go on after a repair of 0.2 s\n"
+    said(empty * 2 + "hvd_sgp: lost rank(s) [9]; 5 of 6 ranks go on after a repair of 0.3 s\n")
+    said(empty * 2 + empty[:20])  # two in a row, and a third not yet whole
+    assert driver.empty_repairs == 2
+    with pytest.raises(chaos.ChaosFailed, match="3 repairs in a row found nobody lost"):
+        said(empty[20:])
+
+
 def _processes_of(run: os.PathLike) -> list:
     """The processes whose command line names ``run`` (a run's directory)."""
     found = subprocess.run(["pgrep", "-af", str(run)], capture_output=True, text=True)
