@@ -169,6 +169,31 @@ def check_outer_optimizer_repair():
 
 
 @checks
+def check_repairs_in_vain_end_the_job():
+    """Repairs in a row that find nobody lost (rank 0 takes something for a lost peer before
+    each) end in an SgpError on every rank at the REPAIRS_IN_VAIN-th, naming what the rank
+    noticed, rather than go on for ever; the world they leave still works."""
+    from hvd_sgp.common import recovery
+    from hvd_sgp.common.errors import SgpError
+    size, repairs, error, lost = hvd.size(), 0, None, set()
+    while error is None and repairs <= recovery.REPAIRS_IN_VAIN:
+        if hvd.rank() == 0:
+            recovery.lost("a false alarm of this check")  # (revokes the world)
+        repairs += 1
+        try:
+            lost.update(runtime.repair().lost)
+        except SgpError as caught:
+            error = caught
+    total = float(hvd.allreduce(torch.ones(1), op=hvd.Sum))
+    said = "noticed: a false alarm of this check)" if hvd.rank() == 0 else "noticed: "
+    checks.verify(f"{repairs} repairs that found nobody lost end in SgpError on rank "
+                  f"{hvd.rank()}, and the {hvd.size()} ranks go on communicating",
+                  error is not None and repairs == recovery.REPAIRS_IN_VAIN and not lost
+                  and said in str(error) and error.rank == hvd.rank() and hvd.size() == size
+                  and total == size, str(error))
+
+
+@checks
 def check_allreduce_stage():
     """A schedule's AllReduce stage: the survivors' models stay identical after the repair."""
     size, victim = hvd.size(), origin(hvd.size() // 2)

@@ -273,6 +273,31 @@ def test_any_mpi_error_is_a_lost_peer_while_ulfm_reports_one(monkeypatch):
     assert not recovery.is_failure(intern) and not recovery.is_failure(failed)
 
 
+def test_repairs_in_vain_are_counted_in_a_row_and_within_the_window(monkeypatch):
+    """recovery.repaired: only REPAIRS_IN_VAIN repairs in a row that found nobody lost, each
+    within IN_VAIN_SECONDS of the one before, say the repairs are in vain; a repair that lost
+    somebody, or a long enough quiet, starts the count again, and so does the error."""
+    from hvd_sgp.common import recovery
+    now = [1000.0]
+    monkeypatch.setattr(recovery.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(recovery.status, "in_vain", 0)
+    monkeypatch.setattr(recovery.status, "noticed", "a peer was lost during the exchange")
+    limit, window = recovery.REPAIRS_IN_VAIN, recovery.IN_VAIN_SECONDS
+
+    def repairs(count: int, lost: bool = False, apart: float = 1.0) -> list:
+        said = []
+        for _ in range(count):
+            now[0] += apart
+            said.append(recovery.repaired(lost))
+        return said
+    assert not any(repairs(limit - 1)) and not any(repairs(1, lost=True))
+    assert not any(repairs(limit - 1)) and not any(repairs(1, apart=window + 1))
+    assert repairs(limit - 1, apart=window) == [False] * (limit - 2) + [True]
+    assert "this rank last noticed: a peer was lost during the exchange" in str(
+        recovery.in_vain_error())
+    assert not any(repairs(limit - 1))
+
+
 def test_a_world_being_replaced_is_not_taken_for_a_lost_peer():
     """An error from the check (a world freed under the watchdog) is no lost peer."""
     from hvd_sgp.common import fault_mode, recovery

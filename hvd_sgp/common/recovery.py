@@ -33,6 +33,14 @@ from hvd_sgp.common.mpi import MPI
 FAILURE_CLASSES = frozenset({MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING,
                              MPI.ERR_REVOKED, MPI.ERR_IN_STATUS, MPI.ERR_OTHER})
 
+# Repairs that find nobody lost, one after another: something is taken for a lost peer again
+# and again (ranks in different collectives, or a defect), and the job would repair for ever
+# between steps that come every few seconds (a chaos run's livelock: 457 such repairs in 10
+# minutes). REPAIRS_IN_VAIN in a row, each within IN_VAIN_SECONDS of the one before, end the
+# job with an error on every survivor (``repaired``, world_repair._rebuild).
+REPAIRS_IN_VAIN = 20
+IN_VAIN_SECONDS = 60.0
+
 
 class _Status:
     """Per-process facts of fault tolerance (one instance, ``status``; fault_mode.configure
@@ -52,6 +60,9 @@ class _Status:
         self.blocked: Optional[tuple] = None  # (call, deadline, bound) of it (blocked_in)
         self.failure_noticed = False  # set when PeerLostError is raised, cleared by a repair
         self.repairs = 0  # completed repairs of the world
+        self.in_vain = 0  # repairs in a row that found nobody lost (``repaired``)
+        self.in_vain_at = 0.0  # when the latest repair was counted (time.monotonic)
+        self.noticed = ""  # what this rank last took for a lost peer (``lost``)
         self.replacement = False  # this process replaced a lost rank (world_grow.arrive)
         self.watchdog: Optional[threading.Thread] = None
         self.stop = threading.Event()
@@ -87,6 +98,7 @@ def lost(message: str) -> PeerLostError:
     The rank's record keeps what it noticed: where a repair finds nobody lost, the rank that
     noticed first says why."""
     status.failure_noticed = True
+    status.noticed = message
     if status.origin is not None:
         fault_record.write(f"noticed {message}", status.origin)
     status.revoke_all()
@@ -185,6 +197,29 @@ def repairing(deadline: float) -> Iterator[None]:
         status.repairs += 1
     finally:
         status.repairing = None
+
+
+def repaired(lost_somebody: bool) -> bool:
+    """Count a repair of the world (every survivor, alike): True where it is the
+    REPAIRS_IN_VAIN-th in a row that found nobody lost, each within IN_VAIN_SECONDS of the
+    one before. The ranks' clocks differ, so the repair's agreement decides for all of them
+    (world_repair._rebuild)."""
+    now = time.monotonic()
+    if lost_somebody or now - status.in_vain_at > IN_VAIN_SECONDS:
+        status.in_vain = 0
+    status.in_vain_at = now
+    status.in_vain += int(not lost_somebody)
+    return status.in_vain >= REPAIRS_IN_VAIN
+
+
+def in_vain_error() -> SgpError:
+    """The error every survivor raises once the agreement says the repairs are in vain; the
+    count starts again."""
+    status.in_vain = 0
+    return SgpError(f"the world was repaired {REPAIRS_IN_VAIN} times in a row, each within "
+                    f"{IN_VAIN_SECONDS:g} s of the one before, and nobody was lost: the ranks "
+                    "keep taking something for a lost peer (this rank last noticed: "
+                    f"{status.noticed or 'nothing'}); the job ends rather than repair for ever")
 
 
 @contextlib.contextmanager

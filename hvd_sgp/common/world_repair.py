@@ -26,7 +26,9 @@ def repair(world: World, realign: bool) -> WorldChange:
     3. Re-form the nodes and the cross-node communicators (``regroup``).
     4. Call the ``on_world_change`` subscribers (optimizers rebuild their graph and fold their
        PushSum state). An agreement (MPI_Comm_agree) closes 3 and 4 alike on every
-       survivor: all go on, all start over, or all raise (``_rebuild``).
+       survivor: all go on, all start over, or all raise (``_rebuild``). The agreement also
+       ends the job on every survivor after repairs in a row that found nobody lost
+       (recovery.repaired).
     5. With HVD_SGP_MAX_NP (or host discovery), outside a step (``realign`` False:
        hvd.elastic.run's repair), replacements: by default they start now and the survivors
        go on; they join at a later commit (``world_grow.defer``, then ``replace``), as
@@ -53,7 +55,7 @@ def repair(world: World, realign: bool) -> WorldChange:
                 if comm != world.world:  # an earlier attempt's, never installed here
                     recovery.free(comm)
                 comm = survivors
-                change = _rebuild(world, survivors, known, realign)
+                change, in_vain = _rebuild(world, survivors, known, realign)
                 size = change.world.Get_size()  # (a grow frees change.world)
                 if not realign and world.pending is None and world_grow.missing(world) > 0:
                     if options.from_environment("replace_at") != "repair":
@@ -89,16 +91,21 @@ def repair(world: World, realign: bool) -> WorldChange:
                   "(a replacement joins at its state.sync()); this script repairs inside "
                   "the optimizer's step, so it goes on with fewer ranks",
                   file=sys.stderr, flush=True)
+    if in_vain:
+        raise recovery.in_vain_error()
     return grown or change
 
 
-def _rebuild(world: World, survivors: MPI.Comm, known: set, realign: bool) -> WorldChange:
+def _rebuild(world: World, survivors: MPI.Comm, known: set,
+             realign: bool) -> tuple[WorldChange, bool]:
     """Steps 3 and 4 of ``repair`` on the shrunk world, closed by an agreement (ULFM's
     MPI_Comm_agree, whose outcome is the same on every survivor): either every survivor
     finished them, or every one starts over, or every one raises. Without it a rank dying
     inside step 4 may leave one survivor with an undefined buffer (a collective cut short:
     a pickled allgather that fails to load, seen 1 run in 8 with 8 ranks) while the others
-    go on with a world it never joined."""
+    go on with a world it never joined. Returns the change and whether the repairs are in
+    vain (``recovery.repaired`` on some survivor: its bit of the agreement ends the job on
+    every one)."""
     failure: Optional[Exception] = None
     try:
         with recovery.translated("the repair of the world"):
@@ -109,12 +116,14 @@ def _rebuild(world: World, survivors: MPI.Comm, known: set, realign: bool) -> Wo
         world.revoke_all()
         revoke(survivors)
     foreign = failure is not None and not isinstance(failure, PeerLostError)
+    in_vain = failure is None and recovery.repaired(bool(change.lost))
     waited = float(options.from_environment("detector_timeout"))  # (for a rank stuck before)
     with recovery.translated("the agreement that ends the repair"), recovery.blocked_in(
             "MPI_Comm_agree", extra=waited):  # a death: start over
-        agreed = survivors.Agree(int(failure is None) | 2 * int(not foreign))
+        agreed = survivors.Agree(int(failure is None) | 2 * int(not foreign)
+                                 | 4 * int(not in_vain))
     if agreed & 1:
-        return change
+        return change, not agreed & 4
     if foreign:
         raise failure
     if not agreed & 2:
