@@ -275,14 +275,16 @@ def test_any_mpi_error_is_a_lost_peer_while_ulfm_reports_one(monkeypatch):
 
 def test_repairs_in_vain_are_counted_in_a_row_and_within_the_window(monkeypatch):
     """recovery.repaired: only REPAIRS_IN_VAIN repairs in a row that found nobody lost, each
-    within IN_VAIN_SECONDS of the one before, say the repairs are in vain; a repair that lost
-    somebody, or a long enough quiet, starts the count again, and so does the error."""
+    within HVD_SGP_TIMEOUT + IN_VAIN_SECONDS of the one before, say the repairs are in vain; a
+    repair that lost somebody, or a long enough quiet, starts the count again, and so does the
+    error."""
     from hvd_sgp.common import recovery
     now = [1000.0]
     monkeypatch.setattr(recovery.time, "monotonic", lambda: now[0])
     monkeypatch.setattr(recovery.status, "in_vain", 0)
+    monkeypatch.setattr(recovery.status, "timeout", 30.0)
     monkeypatch.setattr(recovery.status, "noticed", "a peer was lost during the exchange")
-    limit, window = recovery.REPAIRS_IN_VAIN, recovery.IN_VAIN_SECONDS
+    limit, window = recovery.REPAIRS_IN_VAIN, 30.0 + recovery.IN_VAIN_SECONDS
 
     def repairs(count: int, lost: bool = False, apart: float = 1.0) -> list:
         said = []

@@ -36,8 +36,9 @@ FAILURE_CLASSES = frozenset({MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING,
 # Repairs that find nobody lost, one after another: something is taken for a lost peer again
 # and again (ranks in different collectives, or a defect), and the job would repair for ever
 # between steps that come every few seconds (a chaos run's livelock: 457 such repairs in 10
-# minutes). REPAIRS_IN_VAIN in a row, each within IN_VAIN_SECONDS of the one before, end the
-# job with an error on every survivor (``repaired``, world_repair._rebuild).
+# minutes). REPAIRS_IN_VAIN in a row, each within HVD_SGP_TIMEOUT + IN_VAIN_SECONDS of the one
+# before (a wait past the timeout is what a mismatch of collectives ends in), end the job with
+# an error on every survivor (``repaired``, world_repair._rebuild).
 REPAIRS_IN_VAIN = 20
 IN_VAIN_SECONDS = 60.0
 
@@ -201,11 +202,11 @@ def repairing(deadline: float) -> Iterator[None]:
 
 def repaired(lost_somebody: bool) -> bool:
     """Count a repair of the world (every survivor, alike): True where it is the
-    REPAIRS_IN_VAIN-th in a row that found nobody lost, each within IN_VAIN_SECONDS of the
-    one before. The ranks' clocks differ, so the repair's agreement decides for all of them
-    (world_repair._rebuild)."""
+    REPAIRS_IN_VAIN-th in a row that found nobody lost, each within HVD_SGP_TIMEOUT +
+    IN_VAIN_SECONDS of the one before. The ranks' clocks differ, so the repair's agreement
+    decides for all of them (world_repair._rebuild)."""
     now = time.monotonic()
-    if lost_somebody or now - status.in_vain_at > IN_VAIN_SECONDS:
+    if lost_somebody or now - status.in_vain_at > status.timeout + IN_VAIN_SECONDS:
         status.in_vain = 0
     status.in_vain_at = now
     status.in_vain += int(not lost_somebody)
@@ -217,9 +218,10 @@ def in_vain_error() -> SgpError:
     count starts again."""
     status.in_vain = 0
     return SgpError(f"the world was repaired {REPAIRS_IN_VAIN} times in a row, each within "
-                    f"{IN_VAIN_SECONDS:g} s of the one before, and nobody was lost: the ranks "
-                    "keep taking something for a lost peer (this rank last noticed: "
-                    f"{status.noticed or 'nothing'}); the job ends rather than repair for ever")
+                    f"{status.timeout + IN_VAIN_SECONDS:g} s of the one before, and nobody was "
+                    "lost: the ranks keep taking something for a lost peer (this rank last "
+                    f"noticed: {status.noticed or 'nothing'}); the job ends rather than repair "
+                    "for ever")
 
 
 @contextlib.contextmanager
