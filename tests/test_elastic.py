@@ -62,7 +62,8 @@ def expect_passed(proc: subprocess.CompletedProcess, area_line: str) -> str:
     (8, "2", ["check_kill_at_step_0", "check_failure_during_repair", "check_sync_sgp_ledger"],
      4),
     (4, "2", ["check_allreduce_stage", "check_sync_sgp_ledger"], 2),
-    (3, "1", ["check_outer_optimizer_repair", "check_repairs_in_vain_end_the_job"], 2),
+    (3, "1", ["check_outer_optimizer_repair", "check_repairs_in_vain_end_the_job",
+              "check_a_spare_killed_after_saying_it_is_ready_is_dead_not_a_lost_peer"], 2),
 ])
 def test_survivors_finish(n, local, checks, survivors):
     proc = sgprun(n, "elastic_checks.py", *checks, env={"HVD_SGP_LOCAL_SIZE": local})
